@@ -1,0 +1,25 @@
+"""Errors of the kernel service. Each says what was asked, what is accepted, and what to do."""
+
+
+class MpfaJitError(RuntimeError):
+    """Base class of every error the kernel service raises."""
+
+
+class NvccNotFoundError(MpfaJitError):
+    pass
+
+
+class UnsupportedArchError(MpfaJitError):
+    pass
+
+
+class UnknownKernelError(MpfaJitError, ValueError):
+    """No kernel family or specialization of that name and parameters exists."""
+
+
+class BuildError(MpfaJitError):
+    """nvcc or ninja failed; the message carries the end of the compiler's log."""
+
+
+class KernelLaunchError(MpfaJitError):
+    """A compiled kernel returned a CUDA error."""

@@ -1,0 +1,38 @@
+// Shared by every mpfa kernel library: the C entry-point convention and error reporting.
+//
+// Each library is one specialization with plain C entry points taking raw pointers, sizes and a
+// cudaStream_t, returning a cudaError_t (0 = launched). No Python or torch ABI crosses this line.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#define MPFA_EXPORT extern "C" __attribute__((visibility("default")))
+
+MPFA_EXPORT const char* mpfa_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+namespace mpfa {
+
+// Selects the device the caller's tensors live on. The library links its own (static) CUDA runtime,
+// whose current device is not torch's; the primary context is shared, so this is cheap when equal.
+inline cudaError_t set_device(int device) {
+  int cur = -1;
+  cudaError_t e = cudaGetDevice(&cur);
+  if (e != cudaSuccess) return e;
+  return cur == device ? cudaSuccess : cudaSetDevice(device);
+}
+
+inline int sm_count(int device) {
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device]) return cached[device];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+  if (device >= 0 && device < 64) cached[device] = n;
+  return n;
+}
+
+template <int N>
+struct alignas(N) Bytes { uint8_t b[N]; };
+
+}  // namespace mpfa
