@@ -1,0 +1,130 @@
+"""The paged KV cache of a recipe: its tensors, fixed scales and per-layer views.
+
+Every per-token field has shape ``[num_layers, num_pages, num_kv_heads, page_size, ...]``: pages are
+"HND", one page of one KV head is contiguous (a page of FP8 V at page size 16 and head_dim 128 is one
+2 KiB run). Slot ``s`` is token ``s % page_size`` of page ``s // page_size``. V is stored token-major
+like K: the prefill kernel transposes V tiles in shared memory for the FP8 PV MMA, so every page size
+(1 included) keeps 16-byte vector appends and the decode kernel reads whole pages.
+
+Fixed per (layer, KV head), for the whole server (so cached prefix pages stay shareable):
+``mu_k [num_kv_heads, head_dim]`` (K smoothing, quantized K only; 0 until calibrated) and
+``v_scale [num_kv_heads, head_dim]`` (FP8 V channel scales; 1 until calibrated).
+"""
+from __future__ import annotations
+
+import torch
+
+from .recipes import Recipe, get_recipe
+from .recipes.fp4 import dequantize_k4
+from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
+from .recipes.smoothing import k_smoothing_mean
+from .validation import check_choice, check_positive_int
+
+PAGE_SIZES = (1, 16, 32, 64)
+HEAD_DIMS = (64, 128, 256)
+_DTYPES = {"bfloat16": torch.bfloat16, "uint8": torch.uint8, "float32": torch.float32}
+
+
+class KVCacheLayer:
+    """One layer's view of a :class:`PagedKVCache`: what the append, prefill and decode calls take."""
+
+    def __init__(self, cache: "PagedKVCache", index: int):
+        self.cache, self.index = cache, index
+        self.recipe: Recipe = cache.recipe
+        self.page_size, self.num_kv_heads, self.head_dim = cache.page_size, cache.num_kv_heads, cache.head_dim
+        self.fields = {name: t[index] for name, t in cache.fields.items()}
+        self.mu_k = cache.mu_k[index] if cache.mu_k is not None else None
+        self.v_scale = cache.v_scale[index] if cache.v_scale is not None else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def dequantize(self, dtype=torch.float32, add_mean: bool = False, pages: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) as ``[num_pages, H, P, D]`` in ``dtype`` (only ``pages``, in that order, if given).
+        K is the smoothed K - mu_K the kernels multiply (softmax gives the same result);
+        ``add_mean`` adds mu_K back."""
+        r = self.recipe
+        f = self.fields if pages is None else {n: t[pages.long()] for n, t in self.fields.items()}
+        if r.k_format == "bf16":
+            k = f["k"].to(dtype)
+        elif r.k_format == "e4m3":
+            k = dequantize_e4m3(f["k"], f["k_scale"].unsqueeze(-1)).to(dtype)
+        else:
+            k = dequantize_k4(f["k"], f["k_block_scale"], f["k_scale"]).to(dtype)
+        v = f["v"].to(dtype) if r.v_format == "bf16" else dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
+        if add_mean and self.mu_k is not None:
+            k = k + self.mu_k.to(dtype).unsqueeze(1)
+        return k, v
+
+
+class PagedKVCache:
+    """All layers' KV pages in ``recipe``'s format.
+
+    >>> cache = PagedKVCache("qk4pv8", num_layers=32, num_pages=4096, page_size=16, num_kv_heads=8, head_dim=128)
+    >>> cache.bytes_per_token_head   # 64 (4-bit K) + 8 (block scales) + 4 (token scale) + 128 (FP8 V)
+    204
+    """
+
+    def __init__(self, recipe: "str | Recipe" = "qk4pv8", *, num_layers: int, num_pages: int, page_size: int,
+                 num_kv_heads: int, head_dim: int, device="cuda"):
+        self.recipe = get_recipe(recipe)
+        check_positive_int("num_layers", num_layers)
+        check_positive_int("num_pages", num_pages)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_choice("page_size", page_size, PAGE_SIZES)
+        check_choice("head_dim", head_dim, HEAD_DIMS)
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        lead = (num_layers, num_pages, num_kv_heads, page_size)
+        self.fields = {}
+        for f in self.recipe.fields:
+            n = f.numel(head_dim)
+            shape = lead if f.per_row == "1" else lead + (n,)
+            self.fields[f.name] = torch.zeros(shape, dtype=_DTYPES[f.dtype], device=self.device)
+        hd = (num_layers, num_kv_heads, head_dim)
+        self.mu_k = torch.zeros(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_k else None
+        self.v_scale = torch.ones(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_v else None
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token_head(self) -> int:
+        return self.recipe.bytes_per_token_head(self.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
+
+    def layer(self, index: int) -> KVCacheLayer:
+        if not isinstance(index, int) or not 0 <= index < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {index!r}")
+        return KVCacheLayer(self, index)
+
+    __getitem__ = layer
+
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = 2.0) -> None:
+        """Fix ``layer``'s mu_K and V channel scales from sample keys and values ``[tokens, H_kv, D]``
+        (e.g. the first prefill). V scale = headroom * amax / 448 per channel, so later values up to
+        ``headroom`` times the sample's stay unsaturated. Call before the layer's first append:
+        rows already written keep the scales they were written with."""
+        idx = self.layer(layer).index
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 3 or t.shape[1:] != (self.num_kv_heads, self.head_dim) or t.shape[0] == 0:
+                raise ValueError(f"{name} must be [tokens > 0, {self.num_kv_heads}, {self.head_dim}], got {tuple(t.shape)}")
+        if self.mu_k is not None:
+            self.mu_k[idx] = k_smoothing_mean(k).to(self.device)
+        if self.v_scale is not None:
+            amax = v.float().abs().amax(dim=0)
+            self.v_scale[idx] = torch.where(amax > 0, amax * headroom / E4M3_MAX, torch.ones_like(amax)).to(self.device)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(recipe={self.recipe.name!r}, num_layers={self.num_layers}, num_pages={self.num_pages}, "
+                f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"device={str(self.device)!r}, {self.bytes_per_token_head} B/token/head)")

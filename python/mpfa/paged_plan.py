@@ -1,0 +1,68 @@
+"""Validation of the paged-KV batch description both wrappers take at ``plan`` (FlashInfer's format).
+
+Request b owns pages ``paged_kv_indices[paged_kv_indptr[b]:paged_kv_indptr[b+1]]`` in order; its last
+page holds ``paged_kv_last_page_len[b]`` tokens (1..page_size), so its KV length is
+``(pages - 1) * page_size + last_page_len``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import HEAD_DIMS, PAGE_SIZES
+from .recipes import get_recipe
+from .validation import check_choice, check_positive_int, check_tensor
+
+_INDEX = (torch.int32, torch.int64)
+
+
+@dataclass
+class PagedBatch:
+    batch_size: int
+    kv_lengths: list[int]
+    paged_kv_indptr: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+
+
+def check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe):
+    check_positive_int("num_qo_heads", num_qo_heads)
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    check_choice("head_dim", head_dim, HEAD_DIMS)
+    check_choice("page_size", page_size, PAGE_SIZES)
+    return get_recipe(recipe)
+
+
+def check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size) -> PagedBatch:
+    check_tensor("paged_kv_indptr", paged_kv_indptr, dtypes=_INDEX, ndim=1)
+    if paged_kv_indptr.numel() < 2:
+        raise ValueError(f"paged_kv_indptr must have batch_size + 1 >= 2 entries, got {paged_kv_indptr.numel()}")
+    batch = paged_kv_indptr.numel() - 1
+    check_tensor("paged_kv_indices", paged_kv_indices, dtypes=_INDEX, ndim=1)
+    check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, dtypes=_INDEX, shape=(batch,))
+    indptr = paged_kv_indptr.cpu()
+    if indptr[0] != 0 or bool((indptr[1:] < indptr[:-1]).any()) or indptr[-1] > paged_kv_indices.numel():
+        raise ValueError("paged_kv_indptr must start at 0, never decrease, and end at most at "
+                         f"len(paged_kv_indices)={paged_kv_indices.numel()}; got {indptr.tolist()[:8]}...")
+    last = paged_kv_last_page_len.cpu()
+    n_pages = indptr[1:] - indptr[:-1]
+    bad = ((n_pages > 0) & ((last < 1) | (last > page_size))) | ((n_pages == 0) & (last != 0))
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"paged_kv_last_page_len[{b}] must be in [1, page_size={page_size}] for a request with "
+                         f"pages (0 without), got {int(last[b])}")
+    lengths = [0 if n == 0 else (n - 1) * page_size + l for n, l in zip(n_pages.tolist(), last.tolist())]
+    return PagedBatch(batch, lengths, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+
+
+def check_kv_matches(kv, recipe, num_kv_heads, head_dim, page_size) -> None:
+    from .kv_cache import KVCacheLayer
+    if not isinstance(kv, KVCacheLayer):
+        raise ValueError(f"kv must be a KVCacheLayer (PagedKVCache.layer(i)), got {type(kv).__name__}")
+    for name, planned, actual in (("recipe", recipe.name, kv.recipe.name), ("num_kv_heads", num_kv_heads, kv.num_kv_heads),
+                                  ("head_dim", head_dim, kv.head_dim), ("page_size", page_size, kv.page_size)):
+        if planned != actual:
+            raise ValueError(f"kv does not match the plan: planned {name}={planned!r}, the cache has {actual!r}")

@@ -1,0 +1,142 @@
+"""4-bit K (``qk4pv8``): E2M1 values, one E4M3 block scale per 16 channels, one FP32 scale per token.
+
+A key row ``x`` (one token, one KV head, ``head_dim`` channels, already smoothed) is stored as
+
+    x[d] ~= token_scale * block_scale[d // 16] * e2m1[d]
+
+This is NVFP4's layout (E2M1 values, E4M3 scales per 16 elements, an FP32 scale above them) with
+two choices made for Hopper, which has no FP4 MMA:
+
+* Block scales are restricted to ``2**e`` and ``1.5 * 2**e``. Then every product
+  ``block_scale * e2m1`` is exactly representable in E4M3, so the kernel turns 4-bit K into FP8 K
+  without rounding and runs the QK product on the FP8 tensor cores (enumerated in
+  :func:`exact_products`; scales with two or three mantissa bits round 30 of 280 and 154 of 560).
+* The FP32 scale is per token rather than per tensor: it maps each token's largest block scale to
+  64, so every block keeps the whole E4M3 range (a fixed per-tensor scale would have to cover the
+  largest token ever appended). It multiplies one column of the scores, after the MMA, in the
+  same FMA that applies the softmax scale.
+
+Packing: byte ``i`` of a row holds element ``2i`` in its low nibble and ``2i + 1`` in its high one.
+A nibble is ``sign << 3 | magnitude code``, codes 0..7 meaning 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+Rounding is to nearest, ties to the even code, saturating at 6. Every function here is the
+reference the append kernel must match byte for byte.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import E4M3_DTYPE, amax_scale
+
+BLOCK = 16
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+# Block scales allowed: 2**e for e in [-8, 6] and 1.5 * 2**e for e in [-7, 5]. Below these the
+# products 0.5*s or 0.75*s fall off E4M3's subnormal grid (multiples of 2**-9); above, 6*s > 448.
+BLOCK_SCALE_MIN_EXP = -8
+BLOCK_SCALE_MAX = 64.0
+# The token scale maps the token's largest block to block scale 64: its amax to 6 * 64.
+TOKEN_TARGET = E2M1_MAX * BLOCK_SCALE_MAX
+# Upper rounding boundaries between consecutive codes (value > bound moves up a code). Ties go to
+# the even code, so a tie at an odd code's lower bound stays below and at its upper bound goes up.
+_UPPER = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def allowed_block_scales() -> list[float]:
+    """Every block scale the format may store, ascending."""
+    out = [2.0 ** BLOCK_SCALE_MIN_EXP]
+    e = BLOCK_SCALE_MIN_EXP + 1
+    while 2.0 ** e <= BLOCK_SCALE_MAX:
+        out.append(2.0 ** e)
+        if 1.5 * 2.0 ** e < BLOCK_SCALE_MAX:
+            out.append(1.5 * 2.0 ** e)
+        e += 1
+    return sorted(out)
+
+
+def round_up_block_scale(need: torch.Tensor) -> torch.Tensor:
+    """The smallest allowed block scale >= ``need`` (clamped to the allowed range), in float32.
+
+    ``need = f * 2**e`` with ``f`` in [1, 2): ``f == 1`` keeps ``2**e``, ``f <= 1.5`` gives
+    ``1.5 * 2**e``, else ``2**(e+1)``. The kernel does the same comparisons on the same floats.
+    """
+    need = need.float()
+    mant, exp = torch.frexp(need)            # need = mant * 2**exp, mant in [0.5, 1)
+    f = mant * 2.0                           # in [1, 2), exponent exp - 1
+    p = torch.ldexp(torch.ones_like(need), exp - 1)   # exact powers of two
+    s = torch.where(f == 1.0, p, torch.where(f <= 1.5, 1.5 * p, 2.0 * p))
+    lo = 2.0 ** BLOCK_SCALE_MIN_EXP
+    s = torch.where(need <= lo, torch.full_like(s, lo), s)
+    # 1.5 * 2**-8 is not allowed (its 0.5x product is off the E4M3 grid): the next scale is 2**-7.
+    s = torch.where(s == 1.5 * lo, torch.full_like(s, 2 * lo), s)
+    return s.clamp(max=BLOCK_SCALE_MAX)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """Nibble codes (sign << 3 | magnitude) of ``y`` rounded to E2M1, ties to even, saturating."""
+    a = y.abs()
+    mag = torch.zeros_like(a, dtype=torch.uint8)
+    for code, bound in enumerate(_UPPER, start=1):
+        odd_below = (code - 1) % 2 == 1      # the lower code is odd: a tie moves up to even `code`
+        up = (a >= bound) if odd_below else (a > bound)
+        mag = torch.where(up, torch.full_like(mag, code), mag)
+    sign = (y < 0).to(torch.uint8) << 3
+    return mag | sign
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def quantize_k4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize rows ``x[..., D]`` (D a multiple of 16) to the 4-bit K format.
+
+    Returns ``(packed uint8 [..., D/2], block_scale uint8 E4M3 bytes [..., D/16],
+    token_scale float32 [...])``.
+    """
+    d = x.shape[-1]
+    if d % BLOCK:
+        raise ValueError(f"head_dim must be a multiple of {BLOCK} for 4-bit K, got {d}")
+    x = x.float()
+    blocks = x.reshape(*x.shape[:-1], d // BLOCK, BLOCK)
+    block_amax = blocks.abs().amax(dim=-1)
+    token_scale = amax_scale(block_amax.amax(dim=-1), TOKEN_TARGET)
+    need = block_amax / (token_scale.unsqueeze(-1) * E2M1_MAX)
+    bs = round_up_block_scale(need)
+    denom = token_scale.unsqueeze(-1) * bs
+    codes = e2m1_codes(blocks / denom.unsqueeze(-1)).reshape(*x.shape[:-1], d)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, bs.to(E4M3_DTYPE).view(torch.uint8), token_scale
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def block_scale_values(block_scale: torch.Tensor) -> torch.Tensor:
+    return block_scale.view(E4M3_DTYPE).float()
+
+
+def k4_to_e4m3(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 K the QK MMA consumes: ``block_scale * e2m1`` per element, exact by construction."""
+    vals = e2m1_values(unpack_codes(packed))
+    bs = block_scale_values(block_scale).repeat_interleave(BLOCK, dim=-1)
+    return (vals * bs).to(E4M3_DTYPE)
+
+
+def dequantize_k4(packed: torch.Tensor, block_scale: torch.Tensor, token_scale: torch.Tensor) -> torch.Tensor:
+    vals = e2m1_values(unpack_codes(packed))
+    bs = block_scale_values(block_scale).repeat_interleave(BLOCK, dim=-1)
+    return vals * bs * token_scale.float().unsqueeze(-1)
+
+
+def exact_products(mantissa_bits: int, exponents: range = range(-6, 4)) -> tuple[int, int]:
+    """Count (rounded, total) products ``scale * e2m1`` (nonzero E2M1 values) that E4M3 cannot hold
+    exactly, over block scales ``(1 + m / 2**mantissa_bits) * 2**e`` for ``e`` in ``exponents``:
+    the check behind the restriction (1 bit: 0 of 140; 2 bits: 30 of 280; 3 bits: 154 of 560)."""
+    scales = [(1 + m / 2 ** mantissa_bits) * 2.0 ** e for e in exponents for m in range(2 ** mantissa_bits)]
+    prods = torch.tensor([s * v for s in scales for v in E2M1_VALUES[1:]], dtype=torch.float64)
+    rounded = (prods.to(E4M3_DTYPE).double() != prods).sum().item()
+    return int(rounded), len(prods)

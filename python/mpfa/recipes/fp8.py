@@ -1,0 +1,57 @@
+"""FP8 E4M3 quantization: the 8-bit format of Q, V (every quantized recipe) and K (``qk8pv8``).
+
+Every function here is a reference: the CUDA kernels must produce the same bytes. Scales are
+float32 and *multiply* the stored value back: ``x ~= dequantize_e4m3(q, scale) = q * scale``.
+"""
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+E4M3_DTYPE = torch.float8_e4m3fn
+
+
+def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """``x / scale`` rounded to nearest-even E4M3 and saturated to +-448 (no NaN from overflow)."""
+    y = x.float() / scale
+    return y.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+
+
+def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    return as_e4m3(q).float() * scale
+
+
+def as_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """View raw uint8 storage as E4M3 (caches keep FP8 as bytes so any torch can index them)."""
+    return q.view(E4M3_DTYPE) if q.dtype == torch.uint8 else q
+
+
+def amax_scale(amax: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:
+    """The scale that maps ``amax`` to ``target``; an all-zero group gets scale 1 so 0/scale stays 0."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / target, torch.ones_like(amax))
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups the last dimension: one scale per row (per token and head), max maps to 448.
+
+    Used for K in ``qk8pv8``: a per-key scale multiplies one column of S = Q K^T, so it is applied
+    after the MMA in the same FMA that scales the scores.
+    """
+    scale = amax_scale(x.float().abs().amax(dim=-1))
+    return quantize_e4m3(x, scale.unsqueeze(-1)), scale
+
+
+def quantize_per_tile(x: torch.Tensor, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups ``tile_rows`` consecutive rows of a ``[rows, D]`` matrix: one scale per tile.
+
+    Used for Q in prefill (one scale per query tile and head: it multiplies every score of the
+    tile, so it rides the score FMA). The last tile may be partial.
+    """
+    rows = x.shape[0]
+    n_tiles = (rows + tile_rows - 1) // tile_rows
+    amax = torch.stack([x[i * tile_rows:(i + 1) * tile_rows].float().abs().amax() for i in range(n_tiles)]) \
+        if n_tiles else x.new_zeros((0,), dtype=torch.float32)
+    scale = amax_scale(amax)
+    per_row = scale.repeat_interleave(tile_rows)[:rows].unsqueeze(-1)
+    return quantize_e4m3(x, per_row), scale

@@ -1,0 +1,39 @@
+"""Argument checks shared by the API. Every error names the argument and what is accepted."""
+from __future__ import annotations
+
+import torch
+
+
+def check_choice(name: str, value, accepted) -> None:
+    if value not in accepted or isinstance(value, bool):
+        raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim: int | None = None, shape=None, device=None) -> None:
+    """``shape`` may hold None for a free dimension."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if shape is not None and (len(shape) != t.dim() or any(s is not None and s != d for s, d in zip(shape, t.shape))):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {torch.device(device)}, got {t.device}")
+
+
+def check_vector_rows(name: str, t: torch.Tensor) -> None:
+    """Kernels load 16-byte vectors along the last dimension: it must be contiguous and aligned."""
+    es = t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    if any((s * es) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 16 bytes, "
+                         f"got strides {t.stride()} ({t.dtype})")
