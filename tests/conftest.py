@@ -1,0 +1,54 @@
+"""GPU tests run only on a Hopper GPU (sm_90a); elsewhere they are skipped with the reason.
+nvcc tests need only the compiler (they build sm_90a code without a GPU)."""
+import os
+
+import pytest
+import torch
+
+
+def _gpu_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: GPU tests run on the H200 (sm_90a)"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"GPU is sm_{cap[0]}{cap[1]}: mpfa kernels are built for sm_90a (Hopper) only"
+    return None
+
+
+def _nvcc_reason():
+    from mpfa_jit import env, NvccNotFoundError
+    try:
+        env.nvcc_path()
+    except NvccNotFoundError:
+        return "nvcc not found: JIT build tests need the CUDA compiler"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu, nvcc = _gpu_reason(), _nvcc_reason()
+    for item in items:
+        if "gpu" in item.keywords and gpu:
+            item.add_marker(pytest.mark.skip(reason=gpu))
+        if "nvcc" in item.keywords and nvcc:
+            item.add_marker(pytest.mark.skip(reason=nvcc))
+
+
+@pytest.fixture
+def jit_cache(tmp_path, monkeypatch):
+    """A private, empty kernel cache for one test."""
+    root = tmp_path / "mpfa-cache"
+    monkeypatch.setenv("MPFA_CACHE_DIR", str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def shared_jit_cache(tmp_path_factory):
+    """One kernel cache for the whole session, so each specialization is compiled once per run."""
+    root = os.environ.get("MPFA_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("mpfa-shared-cache"))
+    old = os.environ.get("MPFA_CACHE_DIR")
+    os.environ["MPFA_CACHE_DIR"] = root
+    yield root
+    if old is None:
+        os.environ.pop("MPFA_CACHE_DIR", None)
+    else:
+        os.environ["MPFA_CACHE_DIR"] = old

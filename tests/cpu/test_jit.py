@@ -1,0 +1,229 @@
+"""The kernel service on a machine without a GPU: rendering, keys, nvcc builds for sm_90a, the disk
+cache (hits, concurrent builders, killed builds, corrupt entries) and its errors."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jinja2
+import pytest
+
+import mpfa_jit
+from mpfa_jit import BuildError, NvccNotFoundError, Store, UnknownKernelError, UnsupportedArchError, env
+from mpfa_jit.ops import append_kv
+from mpfa_jit.render import render, templates_dir
+
+ARCH = "sm_90a"
+
+
+def _spec(recipe="qk4pv8", head_dim=128, page_size=16):
+    return append_kv.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=ARCH)
+
+
+def _builds(root):
+    log = root / "builds.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+# A child process that asks for one key and reports what happened; used by several tests.
+CHILD = textwrap.dedent("""
+    import sys, time, mpfa_jit
+    from mpfa_jit.ops import append_kv
+    spec = append_kv.spec(recipe=sys.argv[1], head_dim=int(sys.argv[2]), page_size=int(sys.argv[3]), arch="sm_90a")
+    t = time.monotonic()
+    m = mpfa_jit.get_kernel(spec)
+    m.fn(append_kv.SYMBOL, append_kv.ARGTYPES)
+    print("LOADED", m.uri, f"{(time.monotonic() - t) * 1000:.1f}")
+""")
+
+
+def _child(args, root, **kw):
+    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "MPFA_CACHE_DIR": str(root)}, **kw)
+
+
+def test_templates_are_found_as_installed():
+    assert (templates_dir() / "append_kv.cu.jinja").is_file()
+    assert (templates_dir() / "include" / "mpfa" / "common.cuh").is_file()
+
+
+def test_render_substitutes_parameters_and_rejects_missing_ones():
+    src = render("append_kv.cu.jinja", {"recipe": "qk4pv8", "head_dim": 64, "page_size": 32, "arch": ARCH})
+    assert "constexpr int kHeadDim = 64;" in src and "constexpr int kPageSize = 32;" in src
+    assert "e2m1_code" in src and "to_e4m3x2" in src
+    bf16 = render("append_kv.cu.jinja", {"recipe": "bf16", "head_dim": 128, "page_size": 1, "arch": ARCH})
+    assert "e2m1_code" not in bf16 and "mu_k + h" not in bf16
+    with pytest.raises(jinja2.UndefinedError):
+        render("append_kv.cu.jinja", {"recipe": "qk4pv8", "arch": ARCH})
+
+
+def test_keys_name_parameters_and_uris_hash_what_is_built(monkeypatch):
+    a, b = _spec(page_size=16), _spec(page_size=32)
+    assert a.key == "append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a"
+    assert a.key != b.key and a == _spec(page_size=16)
+    assert a.uri() == _spec(page_size=16).uri()
+    assert a.uri("int x;") != a.uri("int y;")          # any change to the source is a new build
+    before = a.uri("int x;")
+    monkeypatch.setattr("mpfa_jit.spec.env.compiler_id", lambda: "nvcc 99.9")
+    assert a.uri("int x;") != before                   # and so is a new compiler
+    assert before.startswith(a.key + "_")
+
+
+def test_bad_specs_raise_clear_errors():
+    with pytest.raises(ValueError, match=r"recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"):
+        append_kv.spec(recipe="fp4", head_dim=128, page_size=16, arch=ARCH)
+    with pytest.raises(ValueError, match=r"head_dim must be one of \[64, 128, 256\], got 96"):
+        append_kv.spec(recipe="bf16", head_dim=96, page_size=16, arch=ARCH)
+    with pytest.raises(ValueError, match=r"page_size must be one of \[1, 16, 32, 64\], got 8"):
+        append_kv.spec(recipe="bf16", head_dim=128, page_size=8, arch=ARCH)
+    for arch in ("sm_80", "sm_90", "sm_100a"):
+        with pytest.raises(UnsupportedArchError, match="sm_90a"):
+            append_kv.spec(recipe="bf16", head_dim=128, page_size=16, arch=arch)
+    assert env.arch_from_capability(9, 0) == "sm_90a"
+    with pytest.raises(UnknownKernelError, match="no kernel template 'nope.cu.jinja'"):
+        render("nope.cu.jinja", {})
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch, jit_cache):
+    monkeypatch.setenv("MPFA_NVCC", "/nonexistent/bin/nvcc")
+    with pytest.raises(NvccNotFoundError, match="MPFA_NVCC='/nonexistent/bin/nvcc' is not an executable"):
+        mpfa_jit.build_only(_spec())
+
+
+@pytest.mark.nvcc
+def test_build_then_hit_in_a_fresh_process(jit_cache):
+    first = _child(("qk8pv8", 128, 16), jit_cache)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    assert "mpfa_jit: building append_kv_head_dim-128_page_size-16_recipe-qk8pv8_sm_90a" in err
+    second = _child(("qk8pv8", 128, 16), jit_cache)
+    out2, err2 = second.communicate(timeout=600)
+    assert second.returncode == 0, err2
+    assert "building" not in err2 and out2.split()[1] == out.split()[1]
+    assert len(_builds(jit_cache)) == 1
+    entry = Store(jit_cache).entries()[0]
+    assert entry.manifest["params"] == {"head_dim": 128, "page_size": 16, "recipe": "qk8pv8"}
+    assert entry.manifest["arch"] == "sm_90a" and "cuda" in entry.manifest["compiler"].lower()
+
+
+@pytest.mark.nvcc
+def test_eight_processes_build_one_key_once(jit_cache):
+    procs = [_child(("qk4pv8", 64, 32), jit_cache) for _ in range(8)]
+    results = [p.communicate(timeout=900) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
+    assert sum("mpfa_jit: building" in err for _, err in results) == 1
+    assert len({out.split()[1] for out, _ in results}) == 1
+    assert len(_builds(jit_cache)) == 1
+
+
+@pytest.mark.nvcc
+def test_killed_build_leaves_nothing_that_loads(jit_cache):
+    proc = _child(("bf16", 256, 64), jit_cache, start_new_session=True)
+    tmp = jit_cache / "tmp"
+    deadline = time.monotonic() + 120
+    # Wait until nvcc is running inside the private build folder, then kill the whole process group.
+    while time.monotonic() < deadline and not any(tmp.glob("*/build.ninja")):
+        time.sleep(0.02)
+    assert any(tmp.glob("*/build.ninja")), "the build never started"
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    store = Store(jit_cache)
+    spec = _spec("bf16", 256, 64)
+    uri = spec.uri()
+    assert store.check(uri) == "missing" and store.entries() == [] and _builds(jit_cache) == []
+    again = _child(("bf16", 256, 64), jit_cache)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err
+    assert "mpfa_jit: building" in err and store.check(uri) == "ok"
+    assert not any(tmp.iterdir()), "the killed build's folder was not cleaned up"
+
+
+@pytest.mark.nvcc
+def test_corrupt_entry_is_rebuilt(jit_cache):
+    spec = _spec("qk4pv8", 128, 1)
+    m = mpfa_jit.get_kernel(spec)
+    store = Store(jit_cache)
+    lib = store.library(m.uri)
+    lib.write_bytes(lib.read_bytes()[: lib.stat().st_size // 2])        # a truncated library
+    assert store.check(m.uri) == "corrupt"
+    proc = _child(("qk4pv8", 128, 1), jit_cache)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "is corrupt; rebuilding" in err and store.check(m.uri) == "ok"
+    (store.entry_dir(m.uri) / "manifest.json").write_text("{not json")  # a damaged manifest
+    assert store.check(m.uri) == "corrupt"
+    assert len(_builds(jit_cache)) == 2
+
+
+@pytest.mark.nvcc
+def test_compile_error_reports_the_log_and_publishes_nothing(jit_cache):
+    store = Store(jit_cache)
+    with pytest.raises(BuildError, match="error"):
+        store.get_or_build(_spec(), "this is not C++ at all;\n", "broken_source_uri")
+    assert store.check("broken_source_uri") == "missing"
+    assert not any((jit_cache / "tmp").iterdir())
+
+
+@pytest.mark.nvcc
+def test_sass_has_fp8_conversion_and_no_spills(jit_cache):
+    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+    tool_env = {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
+    m = mpfa_jit.get_kernel(_spec("qk4pv8", 128, 16))
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(m.path)], capture_output=True, text=True,
+                           env=tool_env).stdout
+    assert "STACK:0" in usage and "LOCAL:0" in usage, usage
+    sass = subprocess.run([cuobjdump, "--dump-sass", str(m.path)], capture_output=True, text=True, env=tool_env)
+    assert sass.returncode == 0, sass.stderr
+    assert "sm_90a" in sass.stdout
+    assert "F2FP.SATFINITE.E4M3" in sass.stdout                   # hardware FP8 conversion
+    assert "LDG.E.128" in sass.stdout                             # 16-byte loads of K and V
+    assert "LDL" not in sass.stdout and "STL" not in sass.stdout  # nothing spilled
+
+
+@pytest.mark.nvcc
+def test_warmup_and_cache_cli(jit_cache, capsys):
+    from mpfa_jit import cache as cache_cli
+    from mpfa_jit import warmup
+    cfg = os.path.join(os.path.dirname(__file__), "..", "..", "server_configs", "llama-3.1-8b-qk4pv8.yaml")
+    assert warmup.main([cfg, "--arch", ARCH, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a  built" in out and "1 of 1 ready" in out
+    assert warmup.main([cfg, "--arch", ARCH, "--no-progress"]) == 0
+    assert "qk4pv8_sm_90a  cached" in capsys.readouterr().out
+    assert warmup.main(["--num-qo-heads", "32", "--num-kv-heads", "8", "--head-dim", "128", "--arch", "sm_80"]) == 2
+    assert "sm_80" in capsys.readouterr().err
+    cache_cli.main(["list"])
+    listed = capsys.readouterr().out
+    assert "append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a" in listed and "[ok]" in listed
+    cache_cli.main(["size"])
+    assert "KiB" in capsys.readouterr().out or "MiB" in capsys.readouterr().out
+    cache_cli.main(["clear"])
+    assert "freed" in capsys.readouterr().out and Store(jit_cache).entries() == []
+
+
+def test_server_config_shapes():
+    from mpfa_jit.server_config import load
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "server_configs")
+    llama = load(os.path.join(root, "llama-3.1-8b-qk4pv8.yaml"))
+    assert (llama.shape.num_qo_heads, llama.shape.num_kv_heads, llama.shape.head_dim) == (32, 8, 128)
+    assert llama.recipe == "qk4pv8" and llama.page_size == 16 and llama.compensation
+    qwen = load(os.path.join(root, "qwen3-14b-qk4pv8.yaml"))
+    assert (qwen.shape.num_qo_heads, qwen.shape.num_kv_heads, qwen.shape.num_layers) == (40, 8, 40)
+    assert json.loads((llama.model_dir / "config.json").read_text())["num_hidden_layers"] == 32
+
+
+def test_wheel_ships_the_templates(tmp_path):
+    repo = os.path.join(os.path.dirname(__file__), "..", "..")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), repo], check=True, capture_output=True)
+    import zipfile
+    names = zipfile.ZipFile(next(tmp_path.glob("mpfa-*.whl"))).namelist()
+    assert "mpfa_jit/templates/append_kv.cu.jinja" in names
+    assert "mpfa_jit/templates/include/mpfa/quant.cuh" in names
+    assert "mpfa/recipes/fp4.py" in names and "mpfa_jit/ops/append_kv.py" in names
