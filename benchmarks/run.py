@@ -1,0 +1,181 @@
+"""The one benchmark command: ceilings, then the selected suites, in one process on one GPU.
+
+    python -m benchmarks.run [--suites append,...] [--out benchmarks/results] [--quick]
+                             [--repeat 2]
+
+Per suite it writes `<out>/<RESULT>.json` ({"meta", "summary", "rows"}, ceiling rows
+included) and `<out>/<RESULT>.png`, prints the suite's table, and - when `--out` is the
+committed results folder - rewrites README.md's bench section. `--repeat 2` runs every case
+twice and stores each row's `spread` (relative difference of the two medians) and the
+summary's `max_spread`, for the "two consecutive runs agree within 5%" rule.
+
+Exit status: 0 all good; 1 an mpfa case or a ceiling failed (peers' failures are recorded,
+not fatal); 2 bad arguments or no CUDA GPU. On the device machine the tree has no .git: set
+MPFA_BENCH_COMMIT=<hash> for meta, and write under $OUT (e.g. --out $OUT/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import traceback
+from pathlib import Path
+
+from benchmarks import ceilings, meta, report, results_io, suites
+from benchmarks.stats import merge_repeats
+
+SPREAD_LIMIT = 0.05
+
+
+def require_cuda():
+    """torch, after checking a CUDA GPU is visible; a clear SystemExit(2) otherwise."""
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("benchmarks.run: PyTorch is not installed; it needs torch with CUDA "
+                         "on a machine with an NVIDIA GPU") from None
+    if not torch.cuda.is_available():
+        print(f"benchmarks.run: no CUDA GPU visible (torch {torch.__version__}, built for CUDA "
+              f"{torch.version.cuda or 'none: a CPU build'}). Run it on the GPU machine.",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return torch
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="case", mininterval=1.0, dynamic_ncols=True)
+
+
+def measure_ceilings(ctx: suites.Context) -> list[dict]:
+    """One row per ceiling; a failure becomes an error row (and fails the run later)."""
+    rows = []
+    with _progress(len(ceilings.ALL), "ceilings") as bar:
+        for name, fn in ceilings.ALL.items():
+            bar.set_postfix_str(name)
+            try:
+                rows.append(fn(warmup_ms=ctx.warmup_ms, rep_ms=ctx.rep_ms))
+            except Exception as e:  # keep going: the suites still produce their rows
+                bar.write(traceback.format_exc())
+                rows.append({"kind": "ceiling", "id": f"ceiling/{name}", "name": name,
+                             "status": "error", "reason": f"{type(e).__name__}: {e}"})
+            bar.update()
+    return rows
+
+
+def run_case(suite, case: dict, ctx: suites.Context, write=print) -> dict:
+    """One case's row; Skip -> status "skipped", any other exception -> status "error"."""
+    try:
+        row = suite.run_case(case, ctx)
+        row.setdefault("status", "ok")
+        return row
+    except suites.Skip as e:
+        return {**case, "status": "skipped", "reason": str(e)}
+    except Exception as e:
+        write(f"{case['id']}: {traceback.format_exc()}")
+        return {**case, "status": "error", "reason": f"{type(e).__name__}: {e}"}
+
+
+def run_suite(suite, ctx: suites.Context, repeat: int) -> list[dict]:
+    """All cases of a suite, `repeat` times over, merged into one row per case."""
+    cases = suite.cases(ctx.quick)
+    ids = [c["id"] for c in cases]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"suite {suite.NAME}: case ids are not unique")
+    runs = []
+    with _progress(len(cases) * repeat, suite.NAME) as bar:
+        for rep in range(repeat):
+            rows = []
+            for case in cases:
+                bar.set_postfix_str(f"run {rep + 1}/{repeat} {case['id']}")
+                rows.append(run_case(suite, case, ctx, write=bar.write))
+                bar.update()
+            runs.append(rows)
+    return merge_repeats(runs)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suites", default="all",
+                    help=f"comma-separated, or 'all' (available: {', '.join(suites.available())})")
+    ap.add_argument("--out", type=Path, default=results_io.RESULTS_DIR)
+    ap.add_argument("--quick", action="store_true", help="short timing, fewer cases (smoke run)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each suite N times; record spread")
+    ap.add_argument("--warmup-ms", type=float, default=None)
+    ap.add_argument("--rep-ms", type=float, default=None)
+    ap.add_argument("--mem-budget-gib", type=float, default=8.0,
+                    help="cap on memory for rotated input sets per case")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-readme", action="store_true")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    names = suites.available() if args.suites == "all" else [
+        s.strip() for s in args.suites.split(",") if s.strip()]
+    try:
+        mods = [suites.load(n) for n in names]
+    except (ValueError, TypeError) as e:
+        print(f"benchmarks.run: {e}", file=sys.stderr)
+        return 2
+    torch = require_cuda()
+
+    props = torch.cuda.get_device_properties(0)
+    ctx = suites.Context(
+        quick=args.quick,
+        l2_bytes=getattr(props, "L2_cache_size", 60 << 20),
+        mem_budget_bytes=int(args.mem_budget_gib * (1 << 30)),
+        warmup_ms=args.warmup_ms if args.warmup_ms is not None else (5.0 if args.quick else 25.0),
+        rep_ms=args.rep_ms if args.rep_ms is not None else (20.0 if args.quick else 100.0),
+        seed=args.seed,
+    )
+    command = "python -m benchmarks.run" + (" " + shlex.join(argv) if argv else "")
+    print(f"{props.name}, {props.multi_processor_count} SMs, L2 {ctx.l2_bytes >> 20} MiB; "
+          f"suites: {', '.join(m.NAME for m in mods)}; repeat {args.repeat}", flush=True)
+
+    ceiling_rows = measure_ceilings(ctx)
+    ctx.ceilings = ceilings.by_name(ceiling_rows)
+    failed = [r["id"] for r in ceiling_rows if r["status"] != "ok"]
+
+    for mod in mods:
+        rows = ceiling_rows + run_suite(mod, ctx, args.repeat)
+        if hasattr(mod, "annotate"):
+            rows = mod.annotate(rows)
+        summary = mod.summarize(rows)
+        m = meta.collect(command, suite=mod.NAME, quick=args.quick, repeat=args.repeat,
+                         warmup_ms=ctx.warmup_ms, rep_ms=ctx.rep_ms, seed=args.seed)
+        path = results_io.write(mod.RESULT, m, summary, rows, args.out)
+        result = results_io.read(path)
+        print(f"\nwrote {path}")
+        if not args.no_plots and hasattr(mod, "plot"):
+            try:
+                for p in mod.plot(result, args.out):
+                    print(f"wrote {p}")
+            except Exception as e:  # a plot must not cost the measurements
+                print(f"plot for {mod.NAME} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(report.render_result(mod.RESULT, result), flush=True)
+        failed += [r["id"] for r in rows if r.get("status") == "error" and r.get("impl") == "mpfa"]
+        spread = summary.get("max_spread")
+        if spread is not None and spread > SPREAD_LIMIT:
+            print(f"WARNING {mod.NAME}: max spread between repeats {spread:.1%} > "
+                  f"{SPREAD_LIMIT:.0%}: differences below that are noise", file=sys.stderr)
+
+    if not args.no_readme and args.out.resolve() == results_io.RESULTS_DIR.resolve():
+        report.main(["--results", str(args.out)])
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""CPU tests of the benchmark harness (benchmarks/): the README section is generated from the
+results JSON and `--check` catches a stale one; suite summaries are computed from rows; the
+timing/rotation/repeat arithmetic; the append suite's slot pattern. No GPU, no mpfa needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if importlib.util.find_spec("benchmarks") is None:  # `pytest` run without the repo on sys.path
+    sys.path.append(str(REPO))
+
+from benchmarks import report, results_io, stats, suites  # noqa: E402
+from benchmarks.suites import append  # noqa: E402
+from benchmarks.timing import Timing, rotation_count  # noqa: E402
+
+N = append.TOKENS
+TOKEN_HEADS = N * append.KV_HEADS
+MB = 1 << 20
+
+
+def _ceiling(name, ms, *, bytes_=None, flops=None):
+    row = {"kind": "ceiling", "id": f"ceiling/{name}", "name": name, "method": "test",
+           "status": "ok", "ms": ms}
+    if bytes_ is not None:
+        row.update(bytes=bytes_, gbps=bytes_ / ms / 1e6)
+    if flops is not None:
+        row.update(flops=flops, tflops=flops / ms / 1e9)
+    return row
+
+
+def _kernel(impl, recipe, page, ms, out_bpth, *, tokens=N, status="ok"):
+    row = {"id": f"{impl}/{recipe}/page{page}/n{tokens}", "kind": "kernel", "impl": impl,
+           "recipe": recipe, "page_size": page, "tokens": tokens, "kv_heads": 8,
+           "head_dim": 128, "status": status}
+    if status == "ok":
+        th = tokens * 8
+        row.update(bytes=th * (512 + out_bpth), bytes_in=th * 512, bytes_out=th * out_bpth,
+                   out_bytes_per_token_head=out_bpth, ms=ms, ms_min=ms * 0.98,
+                   ms_p20=ms * 0.99, ms_p80=ms * 1.01, n=100, sets=2)
+    else:
+        row["reason"] = "RuntimeError: no kernel for this key"
+    return row
+
+
+def fake_rows():
+    """Copy ceiling exactly 4000 GB/s; mpfa rows whose fractions are easy to state."""
+    return [
+        _ceiling("hbm_read", 1.0, bytes_=4_300_000_000),
+        _ceiling("copy", 1.0, bytes_=4_000_000_000),
+        _ceiling("fp8_mma", 1.0, flops=1_260_000_000_000),
+        _kernel("mpfa", "bf16", 16, 0.0800, 512),     # 3355.4 GB/s -> 0.8388608
+        _kernel("mpfa", "qk8pv8", 16, 0.0600, 260),   # 3372.9 GB/s -> 0.8432299
+        _kernel("mpfa", "qk4pv8", 16, 0.0625, 204),   # 3003.1 GB/s -> 0.7507803
+        _kernel("mpfa", "qk4pv8", 1, 0.1000, 204),    # 1877.0 GB/s -> 0.4692378 (the min)
+        _kernel("mpfa", "qk8pv8", 1, 0.0, 260, status="error"),   # excluded: failed
+        _kernel("mpfa", "bf16", 16, 1.0, 512, tokens=4096),       # excluded: not the 32K chunk
+        _kernel("torch", "bf16", 16, 0.5000, 512),                # excluded: a peer
+    ]
+
+
+META = {"command": "python -m benchmarks.run --suites append", "commit": "0123456789abcdef",
+        "date": "2026-11-30T00:00:00Z", "gpu": "NVIDIA H200", "driver": "580.159.03",
+        "cuda": "13.0", "torch": "2.11.0+cu130", "flashinfer": "0.6.15.post1", "sglang": None,
+        "mpfa": "0.1.0", "suite": "append", "quick": False, "repeat": 1}
+
+README = "# mpfa\n\nIntro text.\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\nTail.\n"
+
+
+def write_fake(results_dir: Path, rows=None) -> dict:
+    rows = append.annotate(rows if rows is not None else fake_rows())
+    results_io.write("append_h200", META, append.summarize(rows), rows, results_dir)
+    return results_io.read(results_dir / "append_h200.json")
+
+
+def parse_table(text: str, first_header: str) -> list[dict]:
+    """Rows of the markdown table whose header starts with `| first_header |`."""
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith(f"| {first_header} |"))
+    headers = [h.strip() for h in lines[start].strip("|").split("|")]
+    out = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        out.append(dict(zip(headers, (c.strip() for c in line.strip("|").split("|")))))
+    return out
+
+
+# ---------------------------------------------------------------- summaries from rows
+
+def test_append_summary_is_computed_from_rows():
+    s = append.summarize(append.annotate(fake_rows()))
+    assert s["copy_gbps"] == pytest.approx(4000.0)
+    assert s["min_copy_fraction"] == pytest.approx(0.46923776)
+    assert s["copy_fraction_by_recipe"] == pytest.approx(
+        {"bf16": 0.8388608, "qk8pv8": 0.84322987, "qk4pv8": 0.46923776})
+    assert s["peer_copy_fraction"] == pytest.approx({"torch-bf16/page16": 268435456 / 0.5e-3 / 4e12})
+    assert s["errors"] == 1 and s["max_spread"] is None
+
+
+def test_append_summary_ignores_stored_derived_fields():
+    """The summary follows bytes and ms, not a stale gbps/copy_fraction left in a row."""
+    rows = append.annotate(fake_rows())
+    for r in rows:
+        if r.get("kind") == "kernel" and r["status"] == "ok":
+            r["copy_fraction"] = 1.0
+            r["gbps"] = 1.0
+    assert append.summarize(rows)["min_copy_fraction"] == pytest.approx(0.46923776)
+
+
+def test_append_summary_without_copy_ceiling_has_no_fractions():
+    rows = [r for r in fake_rows() if r.get("name") != "copy"]
+    s = append.summarize(append.annotate(rows))
+    assert s["copy_gbps"] is None and s["min_copy_fraction"] is None
+    assert s["copy_fraction_by_recipe"] == {}
+
+
+def test_annotate_fills_gbps_and_fraction():
+    rows = append.annotate(fake_rows())
+    row = next(r for r in rows if r["id"] == "mpfa/bf16/page16/n32768")
+    assert row["gbps"] == pytest.approx(268435456 / 0.08e-3 / 1e9)
+    assert row["copy_fraction"] == pytest.approx(0.8388608)
+
+
+# ---------------------------------------------------------------- README from JSON
+
+def test_readme_table_is_generated_from_json(tmp_path):
+    result = write_fake(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    assert report.main(["--results", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# mpfa\n\nIntro text.\n\n<!-- bench:begin -->\n")
+    assert text.endswith("<!-- bench:end -->\n\nTail.\n")
+    assert "old table" not in text
+    for part in ("GPU NVIDIA H200", "driver 580.159.03", "CUDA 13.0", "torch 2.11.0+cu130",
+                 "flashinfer 0.6.15.post1", "commit 0123456789ab",
+                 "`python -m benchmarks.run --suites append`",
+                 "copy (read+write) 4,000 GB/s", "FP8 MMA 1,260 TFLOP/s",
+                 "min_copy_fraction 0.4692"):
+        assert part in text, part
+
+    table = parse_table(text, "impl")
+    kernels = [r for r in result["rows"] if r["kind"] != "ceiling"]
+    assert len(table) == len(kernels)
+    assert "spread" not in table[0]  # no row was repeated: the column is dropped
+    for got, row in zip(table, kernels):
+        assert (got["impl"], got["recipe"], got["page"]) == (
+            row["impl"], row["recipe"], str(row["page_size"]))
+        assert got["status"] == row["status"]
+        if row["status"] == "ok":
+            assert got["ms"] == f"{row['ms']:.4f}"
+            assert got["GB/s"] == f"{row['bytes'] / row['ms'] / 1e6:,.0f}"
+            assert got["of copy"] == f"{row['bytes'] / row['ms'] / 1e6 / 4000:.2f}"
+        else:
+            assert got["ms"] == "—" and got["note"].startswith("RuntimeError")
+    # A hand-checked line, so a formatting change is seen here too.
+    assert "| mpfa | qk4pv8 | 1 | 32768 | 204 | 0.1000 | 1,877 | 0.47 | ok | — |" in text
+
+
+def test_check_detects_stale_table_and_leaves_readme_alone(tmp_path):
+    write_fake(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    args = ["--results", str(tmp_path), "--readme", str(readme)]
+    assert report.main(args + ["--check"]) == 1  # "old table" is stale
+    assert report.main(args) == 0
+    assert report.main(args + ["--check"]) == 0
+    generated = readme.read_text()
+
+    rows = fake_rows()
+    rows[3]["ms"] = 0.0900  # a new measurement lands in the JSON; README not regenerated
+    write_fake(tmp_path, rows)
+    assert report.main(args + ["--check"]) == 1
+    assert readme.read_text() == generated  # --check writes nothing
+    assert report.main(args) == 0
+    assert "| mpfa | bf16 | 16 | 32768 | 512 | 0.0900 |" in readme.read_text()
+    assert report.main(args + ["--check"]) == 0
+
+
+def test_check_detects_summary_not_computed_from_rows(tmp_path):
+    rows = append.annotate(fake_rows())
+    summary = append.summarize(rows)
+    summary["min_copy_fraction"] = 0.99  # hand-edited: not what the rows give
+    results_io.write("append_h200", META, summary, rows, tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    args = ["--results", str(tmp_path), "--readme", str(readme)]
+    assert report.main(args) == 1  # README written, but the summary is flagged
+    assert report.main(args + ["--check"]) == 1
+    assert report.main(args + ["--resummarize"]) == 0
+    assert results_io.read(tmp_path / "append_h200.json")["summary"]["min_copy_fraction"] == \
+        pytest.approx(0.46923776)
+    assert report.main(args + ["--check"]) == 0
+
+
+def test_missing_markers_or_readme_creates_nothing(tmp_path):
+    write_fake(tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("# mpfa\n\nno markers here\n")
+    assert report.main(["--results", str(tmp_path), "--readme", str(readme)]) == 2
+    assert readme.read_text() == "# mpfa\n\nno markers here\n"
+    missing = tmp_path / "NOPE.md"
+    assert report.main(["--results", str(tmp_path), "--readme", str(missing), "--check"]) == 2
+    assert not missing.exists()
+    with pytest.raises(report.MarkersMissing):
+        report.splice(f"{report.END}\n{report.BEGIN}\n", "x")  # wrong order
+
+
+def test_no_results_leaves_an_empty_section(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- bench:begin -->\n<!-- bench:end -->\nb\n")
+    args = ["--results", str(tmp_path / "none"), "--readme", str(readme)]
+    assert report.main(args + ["--check"]) == 0
+    readme.write_text("a\n<!-- bench:begin -->\nstale\n<!-- bench:end -->\nb\n")
+    assert report.main(args + ["--check"]) == 1
+    assert report.main(args) == 0
+    assert readme.read_text() == "a\n<!-- bench:begin -->\n<!-- bench:end -->\nb\n"
+
+
+def test_files_of_other_scripts_get_a_generic_table(tmp_path):
+    results_io.write("accuracy", {"command": "python -m x"}, {"worst_rel_l2": 0.004},
+                     [{"recipe": "qk4pv8", "rel_l2": 0.004, "cos": 0.99999}], tmp_path)
+    section = report.render_section(tmp_path, tmp_path)
+    assert "### accuracy" in section
+    assert parse_table(section, "recipe") == [{"recipe": "qk4pv8", "rel_l2": "0.004",
+                                               "cos": "1"}]
+
+
+def test_results_schema_is_enforced(tmp_path):
+    (tmp_path / "bad.json").write_text(json.dumps({"meta": {}, "rows": []}))
+    with pytest.raises(results_io.ResultsError, match="exactly keys"):
+        results_io.read(tmp_path / "bad.json")
+    path = results_io.write("nan", {}, {"x": float("nan")}, [{"ms": float("inf")}], tmp_path)
+    assert results_io.read(path) == {"meta": {}, "summary": {"x": None}, "rows": [{"ms": None}]}
+
+
+# ---------------------------------------------------------------- timing arithmetic
+
+def test_rotation_count_exceeds_four_times_l2():
+    l2 = 60 * MB
+    assert rotation_count(10 * MB, l2) == 24            # 24 x 10 MB >= 240 MB = 4 x L2
+    assert rotation_count(7 * MB, l2) == 35             # ceil(240 / 7)
+    assert rotation_count(300 * MB, l2) == 1            # one call already exceeds 4 x L2
+    assert rotation_count(100 * MB, l2) == 3
+    assert rotation_count(10 * MB, l2, factor=2) == 12
+    assert rotation_count(10 * MB, l2, budget_bytes=100 * MB) == 10   # capped by memory
+    assert rotation_count(1 * MB, l2) == 64                           # capped by max_sets
+    assert rotation_count(10 * MB, l2, budget_bytes=5 * MB) == 1      # never below one
+    with pytest.raises(ValueError):
+        rotation_count(0, l2)
+
+
+def test_timing_statistics():
+    t = Timing(samples_ms=tuple(float(x) for x in [5, 1, 9, 3, 7, 2, 10, 4, 8, 6]),
+               warmup_calls=3, rotate_sets=2)
+    assert (t.median, t.min, t.p20, t.p80) == pytest.approx((5.5, 1.0, 2.8, 8.2))
+    assert t.as_row() == pytest.approx({"ms": 5.5, "ms_min": 1.0, "ms_p20": 2.8,
+                                        "ms_p80": 8.2, "n": 10, "sets": 2})
+
+
+def test_merge_repeats_records_spread():
+    a = [{"id": "x", "ms": 1.00, "ms_min": 0.9, "status": "ok"},
+         {"id": "y", "ms": 2.0, "status": "ok"}]
+    b = [{"id": "x", "ms": 1.04, "ms_min": 0.95, "status": "ok"},
+         {"id": "y", "status": "error", "reason": "boom"}]
+    x, y = stats.merge_repeats([a, b])
+    assert x["ms"] == pytest.approx(1.02) and x["ms_min"] == pytest.approx(0.9)
+    assert x["ms_runs"] == [1.00, 1.04] and x["spread"] == pytest.approx(0.04)
+    assert y["status"] == "error" and "spread" not in y
+    assert stats.max_spread([x, y]) == pytest.approx(0.04)
+    assert stats.merge_repeats([a]) == a and stats.max_spread(a) is None
+    with pytest.raises(ValueError, match="missing"):
+        stats.merge_repeats([a, a[:1]])
+
+
+def test_repeat_spread_reaches_the_summary():
+    runs = [fake_rows()[3:], fake_rows()[3:]]
+    runs[1][0]["ms"] = 0.0800 * 1.03
+    rows = append.annotate(fake_rows()[:3] + stats.merge_repeats(runs))
+    assert append.summarize(rows)["max_spread"] == pytest.approx(0.03)
+
+
+# ---------------------------------------------------------------- suites
+
+def test_suites_are_discovered_and_complete():
+    assert "append" in suites.available()
+    for name in suites.available():
+        mod = suites.load(name)
+        for quick in (False, True):
+            ids = [c["id"] for c in mod.cases(quick)]
+            assert ids and len(ids) == len(set(ids))
+    assert suites.for_result("append_h200") is append
+    assert suites.for_result("accuracy") is None
+    with pytest.raises(ValueError, match="available: .*append"):
+        suites.load("nope")
+
+
+def test_append_cases_cover_recipes_and_page_sizes():
+    mine = [c for c in append.cases() if c["impl"] == "mpfa"]
+    assert {(c["recipe"], c["page_size"]) for c in mine} == {
+        (r, p) for r in ("bf16", "qk8pv8", "qk4pv8") for p in (16, 1)}
+    assert all(c["tokens"] == 32768 and c["kv_heads"] == 8 and c["head_dim"] == 128 for c in mine)
+
+
+@pytest.mark.parametrize("page", [4, 1])
+def test_append_slots_are_scattered_pages_disjoint_across_sets(page):
+    torch = pytest.importorskip("torch")
+    case = {"tokens": 64, "kv_heads": 2, "head_dim": 16, "page_size": page, "recipe": "bf16"}
+    sets, num_pages = append._inputs(case, 3, seed=1, device="cpu")
+    assert num_pages == 3 * 64 // page
+    all_slots = torch.cat([s for _, _, s, _ in sets])
+    assert torch.equal(all_slots.sort().values, torch.arange(num_pages * page))  # disjoint, full
+    for k, v, slots, pages in sets:
+        assert slots.dtype == torch.int64 and k.dtype == torch.bfloat16 and k.shape == (64, 2, 16)
+        assert torch.equal(slots // page, pages.repeat_interleave(page))  # page-contiguous
+        assert torch.equal(slots % page, torch.arange(64) % page)
+        assert k.abs().sum() > 0 and not torch.equal(k, v)  # random, never zeros
+    assert not torch.equal(sets[0][2], torch.arange(64))  # pages are shuffled
+
+
+def test_append_torch_peer_writes_every_slot():
+    torch = pytest.importorskip("torch")
+    case = {"tokens": 32, "kv_heads": 2, "head_dim": 16, "page_size": 4, "recipe": "bf16",
+            "impl": "torch"}
+    sets, num_pages = append._inputs(case, 2, seed=2, device="cpu")
+    target = append._torch(case, sets, num_pages, "cpu")
+    fn, rotate, (kc, vc) = target["fn"], target["rotate"], target["keep"]
+    assert target["out_bpth"] == 2 * 16 * 2  # K and V of head_dim 16 in bf16
+    kc.fill_(float("nan"))
+    vc.fill_(float("nan"))
+    for args in rotate:
+        fn(*args)
+    assert not kc.isnan().any() and not vc.isnan().any()
+    for k, v, slots in rotate:
+        assert torch.equal(kc[slots], k) and torch.equal(vc[slots], v)
+
+
+def test_run_without_gpu_fails_clearly(capsys):
+    torch = pytest.importorskip("torch")
+    from benchmarks import run
+
+    assert run.main(["--suites", "nope"]) == 2
+    assert "unknown suite 'nope'" in capsys.readouterr().err
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU path cannot be exercised here")
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--suites", "append", "--no-readme", "--no-plots"])
+    assert exc.value.code == 2
+    assert "no CUDA GPU visible" in capsys.readouterr().err
+
+
+def test_meta_has_the_design_fields(monkeypatch):
+    from benchmarks import meta
+
+    monkeypatch.setenv("MPFA_BENCH_COMMIT", "abc123")
+    m = meta.collect("python -m benchmarks.run", suite="append")
+    for key in ("command", "commit", "date", "gpu", "driver", "cuda", "torch", "flashinfer",
+                "sglang", "mpfa", "nvcc"):
+        assert key in m
+    assert m["commit"] == "abc123" and m["suite"] == "append"
+    assert m["date"].endswith("Z")
+
+
+# ---------------------------------------------------------------- plots
+
+def test_plots_write_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plots
+
+    png = b"\x89PNG\r\n\x1a\n"
+    p = plots.roofline([("decode", 1e9, 2e9, 1e-3), ("prefill", 1e14, 1e9, 0.2)],
+                       fp8_tflops=1260, hbm_gbps=4300, path=tmp_path / "roof.png")
+    assert p.read_bytes()[:8] == png
+    p = plots.line([1024, 2048], {"mpfa": [1.0, None], "fi": [2.0, 3.0]}, tmp_path / "l.png",
+                   title="t", xlabel="x", ylabel="y", logx=True, hlines={"c": 3.5})
+    assert p.read_bytes()[:8] == png
+    result = {"meta": META, "summary": {}, "rows": append.annotate(fake_rows())}
+    (p,) = append.plot(result, tmp_path)
+    assert p.name == "append_h200.png" and p.read_bytes()[:8] == png
+    with pytest.raises(ValueError):
+        plots.roofline([], fp8_tflops=0, hbm_gbps=1, path=tmp_path / "x.png")
