@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from .errors import NvccNotFoundError, UnsupportedArchError
@@ -75,7 +76,7 @@ def compiler_id() -> str:
     return _compiler_id(path, st.st_size, int(st.st_mtime))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)   # per process; thread-safe enough: a duplicate call is harmless
 def _compiler_id(path: str, size: int, mtime: int) -> str:
     memo = cache_dir() / "compiler.json"
     tag = f"{path}:{size}:{mtime}"
@@ -89,7 +90,9 @@ def _compiler_id(path: str, size: int, mtime: int) -> str:
     version = [line for line in out.splitlines() if line.strip()][-1].strip()
     known[tag] = version
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    # Threads of one warmup and processes of one server may all get here: unique temp names, then an
+    # atomic replace; the last writer wins and every writer wrote the same version line.
+    tmp = memo.with_name(f"compiler.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(known))
     os.replace(tmp, memo)
     return version

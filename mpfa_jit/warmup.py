@@ -53,8 +53,8 @@ def warmup(specs, jobs: int, progress: bool = True):
             try:
                 _, built, seconds = fut.result()
                 rows[spec.key] = (spec.key, "built" if built else "cached", seconds, "")
-            except MpfaJitError as e:
-                rows[spec.key] = (spec.key, "FAILED", 0.0, str(e))
+            except Exception as e:   # one failed key must not hide the others' results
+                rows[spec.key] = (spec.key, "FAILED", 0.0, f"{type(e).__name__}: {e}")
             bar.update(1)
         bar.close()
     return [rows[s.key] for s in specs]

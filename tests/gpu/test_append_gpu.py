@@ -83,7 +83,9 @@ def test_append_int32_slots_and_graph_replay(recipe, shared_jit_cache):
     k = torch.empty(32, 8, 128, dtype=torch.bfloat16, device="cuda")
     v = torch.empty_like(k)
     slots = torch.empty(32, dtype=torch.int64, device="cuda")
-    mpfa.append_kv(k.normal_(), v.normal_(), cache.layer(0), slots.copy_(torch.arange(32)))  # load before capture
+    for c in (cache, ref):   # loads the kernel before capture; both caches start equal
+        mpfa.append_kv(k.normal_(generator=gen) if c is cache else k, v.normal_(generator=gen) if c is cache else v,
+                       c.layer(0), slots.copy_(torch.arange(32)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mpfa.append_kv(k, v, cache.layer(0), slots)

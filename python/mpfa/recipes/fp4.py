@@ -104,8 +104,8 @@ def quantize_k4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     token_scale = amax_scale(block_amax.amax(dim=-1), TOKEN_TARGET)
     need = block_amax / (token_scale.unsqueeze(-1) * E2M1_MAX)
     bs = round_up_block_scale(need)
-    denom = token_scale.unsqueeze(-1) * bs
-    codes = e2m1_codes(blocks / denom.unsqueeze(-1)).reshape(*x.shape[:-1], d)
+    inv = 1.0 / (token_scale.unsqueeze(-1) * bs)      # one reciprocal per block, as in the kernel
+    codes = e2m1_codes(blocks * inv.unsqueeze(-1)).reshape(*x.shape[:-1], d)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, bs.to(E4M3_DTYPE).view(torch.uint8), token_scale
 

@@ -12,8 +12,12 @@ E4M3_DTYPE = torch.float8_e4m3fn
 
 
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """``x / scale`` rounded to nearest-even E4M3 and saturated to +-448 (no NaN from overflow)."""
-    y = x.float() / scale
+    """``x * (1 / scale)`` rounded to nearest-even E4M3 and saturated to +-448 (no NaN from overflow).
+
+    One correctly rounded reciprocal per scale and a multiply per element: the kernels do exactly
+    this (a division per element would make the append kernel compute-bound)."""
+    inv = 1.0 / (scale.float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale)))
+    y = x.float() * inv.to(x.device)
     return y.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
 
 

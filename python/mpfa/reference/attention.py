@@ -65,6 +65,8 @@ def _run(q_eff, k, v, bias, *, causal, sm_scale, p_quant):
     m = k.shape[0]
     o = q_eff.new_zeros((n, heads, v.shape[-1]))
     lse = q_eff.new_full((n, heads), -math.inf)
+    if m == 0 or n == 0:   # no keys (or no queries): zeros and -inf, as documented
+        return o, lse
     step = max(1, _CHUNK_ELEMS // max(1, heads * m))
     for start in range(0, n, step):
         rows = slice(start, min(n, start + step))
@@ -104,7 +106,7 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
     bias = None
     if recipe.quantized_q:
         qf = q.float()
-        mu = qf.mean(dim=0) if (compensation and q.shape[0] > 0) else torch.zeros_like(qf[0])
+        mu = qf.mean(dim=0) if (compensation and q.shape[0] > 0) else qf.new_zeros(qf.shape[1:])
         q_eff = torch.empty_like(qf, dtype=dtype)
         for h in range(heads):
             q8, scale = quantize_per_tile(qf[:, h] - mu[h], q_tile)
