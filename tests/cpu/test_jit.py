@@ -207,7 +207,7 @@ def test_warmup_and_cache_cli(jit_cache, capsys):
     listed = capsys.readouterr().out
     assert "append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a" in listed and "[ok]" in listed
     cache_cli.main(["size"])
-    assert "KiB" in capsys.readouterr().out or "MiB" in capsys.readouterr().out
+    assert re.match(r"[0-9.]+ (KiB|MiB) ", capsys.readouterr().out)
     cache_cli.main(["clear"])
     assert "freed" in capsys.readouterr().out and Store(jit_cache).entries() == []
 
