@@ -103,7 +103,7 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in self.fields.values())
 
     def layer(self, index: int) -> KVCacheLayer:
-        if not isinstance(index, int) or not 0 <= index < self.num_layers:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {index!r}")
         return KVCacheLayer(self, index)
 

@@ -21,6 +21,7 @@ _INDEX = (torch.int32, torch.int64)
 class PagedBatch:
     batch_size: int
     kv_lengths: list[int]
+    max_page_index: int
     paged_kv_indptr: torch.Tensor
     paged_kv_indices: torch.Tensor
     paged_kv_last_page_len: torch.Tensor
@@ -55,7 +56,11 @@ def check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_
         raise ValueError(f"paged_kv_last_page_len[{b}] must be in [1, page_size={page_size}] for a request with "
                          f"pages (0 without), got {int(last[b])}")
     lengths = [0 if n == 0 else (n - 1) * page_size + l for n, l in zip(n_pages.tolist(), last.tolist())]
-    return PagedBatch(batch, lengths, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+    used = paged_kv_indices[: int(indptr[-1])].cpu()
+    if used.numel() and int(used.min()) < 0:
+        raise ValueError(f"paged_kv_indices must be >= 0, got {int(used.min())}")
+    max_page = int(used.max()) if used.numel() else -1
+    return PagedBatch(batch, lengths, max_page, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
 
 
 def check_kv_matches(kv, recipe, num_kv_heads, head_dim, page_size) -> None:
@@ -66,3 +71,9 @@ def check_kv_matches(kv, recipe, num_kv_heads, head_dim, page_size) -> None:
                                   ("head_dim", head_dim, kv.head_dim), ("page_size", page_size, kv.page_size)):
         if planned != actual:
             raise ValueError(f"kv does not match the plan: planned {name}={planned!r}, the cache has {actual!r}")
+
+
+def check_pages_fit(paged: PagedBatch, kv) -> None:
+    if paged.max_page_index >= kv.cache.num_pages:
+        raise ValueError(f"paged_kv_indices must be < num_pages={kv.cache.num_pages} of the cache, "
+                         f"got page {paged.max_page_index}")

@@ -16,7 +16,7 @@ import torch
 from mpfa_jit import UnknownKernelError
 
 from .backend import resolve
-from .paged_plan import check_heads, check_kv_matches, check_paged
+from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged
 from .reference.attention import batch_attention
 from .validation import check_tensor
 
@@ -72,6 +72,7 @@ class BatchPrefillWrapper:
             raise RuntimeError("BatchPrefillWrapper.run called before plan")
         p = self._plan
         check_kv_matches(kv, p["recipe"], p["num_kv_heads"], p["head_dim"], p["page_size"])
+        check_pages_fit(p["paged"], kv)
         check_tensor("q", q, dtypes=(torch.bfloat16,), shape=(p["total_q"], p["num_qo_heads"], p["head_dim"]),
                      device=kv.device)
         if out is not None:
