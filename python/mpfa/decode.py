@@ -5,20 +5,80 @@
     o = w.run(q, cache.layer(i))          # q: [batch, num_qo_heads, head_dim]
 
 Decode does not smooth Q (one token: Q - mu_Q would be 0); Q stays bf16 against the dequantized cache.
+
+Kernel path (sm_90a, templates/decode.cu.jinja): split-KV with a merge kernel. ``plan`` validates,
+chooses the number of KV splits (adaptive: enough CTAs for ~2 per SM, each split at least
+``MIN_TOKENS_PER_SPLIT`` tokens), copies the page table into capture-stable int32 buffers and
+builds/loads the kernel. ``run`` only launches: the grid is fixed by the plan and the kernel reads
+lengths and pages from those buffers, so a CUDA graph captured around ``run`` replays correctly
+after ``plan`` is called again (same batch size, same ``num_splits``, no more pages than the first
+plan's capacity) with new lengths: plan reuses the same buffers and workspace.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from mpfa_jit import UnknownKernelError
+from mpfa_jit import UnknownKernelError, get_kernel
+from mpfa_jit.ops import decode as decode_op
 
-from .backend import resolve
-from .paged_plan import check_heads, check_kv_matches, check_paged
+from .backend import kernel_arch, resolve
+from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged
 from .prefill import _check_workspace
 from .reference.attention import batch_attention
-from .validation import check_tensor
+from .validation import check_tensor, check_vector_rows
+
+TILE = 64                      # tokens per pipeline stage of the kernel; splits are whole tiles
+MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 tiles)
+MAX_SPLITS = 128
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, *,
+                      ctas_per_sm: int = 2, max_splits: int = MAX_SPLITS) -> int:
+    """Adaptive partitioning: split each request's KV when batch_size * num_kv_heads CTAs cannot
+    keep ``ctas_per_sm`` CTAs on every SM. Among split counts from the smallest that fills the
+    machine to twice that, take the one with the best SM balance (CTAs / (SMs * ceil(CTAs / SMs))),
+    never cutting a request into splits shorter than MIN_TOKENS_PER_SPLIT, and with no split
+    left empty by the kernel's ceil-division of tiles."""
+    ctas = batch_size * num_kv_heads
+    tiles = -(-max_kv_len // TILE)
+    if ctas <= 0 or tiles <= 1:
+        return 1
+    cap = max(1, min(max_splits, tiles * TILE // MIN_TOKENS_PER_SPLIT))
+    s_min = max(1, -(-ctas_per_sm * num_sms // ctas))
+    if s_min >= cap:
+        best = cap
+    else:
+        def balance(s):
+            n = ctas * s
+            return n / (num_sms * -(-n // num_sms))
+        best = max(range(s_min, min(cap, 2 * s_min) + 1), key=lambda s: (round(balance(s), 3), -s))
+    per_split = -(-tiles // best)
+    return -(-tiles // per_split)   # the kernel's split count that leaves no split empty
+
+
+def workspace_bytes(num_splits: int, batch_size: int, num_qo_heads: int, head_dim: int) -> int:
+    """Bytes of workspace the kernel path needs: fp32 partial O and LSE per split (none unsplit)."""
+    if num_splits <= 1:
+        return 0
+    return num_splits * batch_size * num_qo_heads * (head_dim + 1) * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str):
+    spec = decode_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch)
+    return get_kernel(spec).fn(decode_op.SYMBOL, decode_op.ARGTYPES)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
 
 
 class BatchDecodeWrapper:
@@ -28,30 +88,85 @@ class BatchDecodeWrapper:
         self.requested_backend = backend
         self.backend: str | None = None
         self._plan = None
+        self._buffers = None   # capture-stable int32 page-table copies (kernel path)
 
     def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int, *, sm_scale: float | None = None, recipe: str = "qk4pv8") -> None:
+             head_dim: int, page_size: int, *, sm_scale: float | None = None, recipe: str = "qk4pv8",
+             num_splits: int | None = None) -> None:
+        """Host-side scheduling for one batch (may synchronize). ``num_splits=None`` chooses the KV
+        split count adaptively; pass a fixed value to keep it across plans (CUDA graphs)."""
         recipe_ = check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe)
         paged = check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
+        if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
+                                       or not 1 <= num_splits <= 65535):
+            raise ValueError(f"num_splits must be None (adaptive) or an int in [1, 65535], got {num_splits!r}")
         self.backend = resolve(self.requested_backend, paged_kv_indices.device)
+        sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        plan = dict(paged=paged, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    page_size=page_size, recipe=recipe_, sm_scale=sm_scale)
         if self.backend == "cuda":
-            raise UnknownKernelError(
-                f"no sm_90a batch-decode kernel is built for recipe={recipe_.name}, head_dim={head_dim}, "
-                f"page_size={page_size} in this version of mpfa; pass backend='reference' to run the PyTorch reference")
-        self._plan = dict(paged=paged, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          page_size=page_size, recipe=recipe_,
-                          sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale))
+            group = num_qo_heads // num_kv_heads
+            if not decode_op.supported(recipe=recipe_.name, head_dim=head_dim, page_size=page_size, group_size=group):
+                raise UnknownKernelError(
+                    f"no sm_90a batch-decode kernel for recipe={recipe_.name}, head_dim={head_dim}, "
+                    f"page_size={page_size}, group size {group} (num_qo_heads / num_kv_heads): built for head_dim "
+                    f"{list(decode_op.HEAD_DIMS)} and group sizes 1..8; pass backend='reference' for the PyTorch "
+                    "reference")
+            device = paged_kv_indices.device
+            dev_index = device.index if device.index is not None else torch.cuda.current_device()
+            batch = paged.batch_size
+            if num_splits is None:
+                num_splits = choose_num_splits(batch, num_kv_heads, max(paged.kv_lengths), _num_sms(dev_index))
+            need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
+            if self.workspace_buffer.device != device:
+                raise ValueError(f"workspace_buffer must be on {device}, got {self.workspace_buffer.device}")
+            if self.workspace_buffer.numel() < need:
+                raise ValueError(f"workspace_buffer holds {self.workspace_buffer.numel()} bytes but this plan "
+                                 f"(batch {batch}, {num_qo_heads} query heads, head_dim {head_dim}, {num_splits} KV "
+                                 f"splits) needs {need} bytes: pass a larger workspace_buffer")
+            fn = _kernel(recipe_.name, head_dim, page_size, group, kernel_arch(device))
+            n_idx = paged_kv_indices.numel()
+            buf = self._buffers
+            if (buf is None or buf["batch"] != batch or buf["indices"].numel() < max(1, n_idx)
+                    or buf["indices"].device != device):
+                buf = dict(batch=batch, indptr=torch.empty(batch + 1, dtype=torch.int32, device=device),
+                           indices=torch.zeros(max(1, n_idx), dtype=torch.int32, device=device),
+                           last_page_len=torch.empty(batch, dtype=torch.int32, device=device))
+                self._buffers = buf
+            buf["indptr"].copy_(paged_kv_indptr, non_blocking=True)
+            buf["indices"][:n_idx].copy_(paged_kv_indices, non_blocking=True)
+            buf["last_page_len"].copy_(paged_kv_last_page_len, non_blocking=True)
+            ws = self.workspace_buffer
+            rows = batch * num_qo_heads
+            if need:
+                o_part = ws[: num_splits * rows * head_dim * 4].view(torch.float32)
+                lse_part = ws[num_splits * rows * head_dim * 4: need].view(torch.float32)
+            else:
+                o_part = lse_part = None
+            plan.update(num_splits=num_splits, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
+        self._plan = plan
+
+    @property
+    def num_splits(self) -> int | None:
+        """KV splits of the current plan (kernel path), None on the reference path."""
+        return None if self._plan is None else self._plan.get("num_splits")
 
     def run(self, q: torch.Tensor, kv, *, out: torch.Tensor | None = None, return_lse: bool = False):
+        """Attention of each request's query row over its pages. Returns o ``[batch, num_qo_heads,
+        head_dim]`` bf16 (and LSE ``[batch, num_qo_heads]`` float32, natural log, with ``return_lse``).
+        Kernel path: launches only (no synchronization), capturable in a CUDA graph."""
         if self._plan is None:
             raise RuntimeError("BatchDecodeWrapper.run called before plan")
         p = self._plan
         paged = p["paged"]
         check_kv_matches(kv, p["recipe"], p["num_kv_heads"], p["head_dim"], p["page_size"])
-        check_tensor("q", q, dtypes=(torch.bfloat16,), shape=(paged.batch_size, p["num_qo_heads"], p["head_dim"]),
-                     device=kv.device)
+        check_pages_fit(p["paged"], kv)
+        shape = (paged.batch_size, p["num_qo_heads"], p["head_dim"])
+        check_tensor("q", q, dtypes=(torch.bfloat16,), shape=shape, device=kv.device)
         if out is not None:
-            check_tensor("out", out, dtypes=(torch.bfloat16,), shape=tuple(q.shape), device=kv.device)
+            check_tensor("out", out, dtypes=(torch.bfloat16,), shape=shape, device=kv.device)
+        if self.backend == "cuda":
+            return self._run_kernel(q, kv, out, return_lse)
         ids = paged.paged_kv_indices[: int(paged.paged_kv_indptr[-1])]
         k_pages, v_pages = kv.dequantize(pages=ids)
         local = torch.arange(ids.numel(), device=ids.device)
@@ -64,3 +179,20 @@ class BatchDecodeWrapper:
             out.copy_(o)
             o = out
         return (o, lse) if return_lse else o
+
+    def _run_kernel(self, q, kv, out, return_lse):
+        p, buf = self._plan, self._buffers
+        check_vector_rows("q", q)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:
+            check_vector_rows("out", out)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        f = kv.fields
+        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
+                _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),
+                buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(), q.shape[0], p["num_kv_heads"],
+                p["num_splits"], p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]), out.data_ptr(),
+                out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
+                torch.cuda.current_stream(q.device).cuda_stream)
+        return (out, lse) if return_lse else out

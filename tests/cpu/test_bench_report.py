@@ -386,3 +386,10 @@ def test_plots_write_png(tmp_path):
     assert p.name == "append_h200.png" and p.read_bytes()[:8] == png
     with pytest.raises(ValueError):
         plots.roofline([], fp8_tflops=0, hbm_gbps=1, path=tmp_path / "x.png")
+
+
+def test_committed_readme_matches_committed_results():
+    """README's performance section is exactly what the committed JSON generates, and every stored
+    summary is what its suite computes from the rows."""
+    assert report.main(["--check", "--results", str(REPO / "benchmarks" / "results"),
+                        "--readme", str(REPO / "README.md")]) == 0

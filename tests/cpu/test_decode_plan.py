@@ -1,0 +1,125 @@
+"""The decode kernel's host side without a GPU: the split heuristic, workspace sizing, specs, and
+nvcc builds of the decode template for sm_90a (SASS: tensor-core MMAs, cp.async, nothing spilled)."""
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+import mpfa
+import mpfa_jit
+from mpfa.decode import MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, workspace_bytes
+from mpfa_jit import UnknownKernelError, env
+from mpfa_jit.ops import decode as decode_op
+from mpfa_jit.render import render
+
+ARCH = "sm_90a"
+
+
+def _kernel_split_ranges(kv_len, num_splits):
+    """The kernel's partition of a request's tiles: ceil(tiles / num_splits) per split."""
+    tiles = -(-kv_len // TILE)
+    per = -(-tiles // num_splits) if tiles else 0
+    return [(s * per, min(tiles, (s + 1) * per)) for s in range(num_splits)]
+
+
+@pytest.mark.parametrize("batch,heads,length", [(32, 8, 32768), (1, 8, 32768), (4, 8, 4096), (2, 8, 1000),
+                                                 (128, 8, 32768), (8, 2, 131072), (1, 1, 64), (3, 4, 1),
+                                                 (64, 8, 512), (1, 32, 8192)])
+def test_split_heuristic_fills_the_gpu_without_tiny_or_empty_splits(batch, heads, length):
+    sms = 132
+    s = choose_num_splits(batch, heads, length, sms)
+    assert 1 <= s <= 128
+    ranges = _kernel_split_ranges(length, s)
+    assert all(hi > lo for lo, hi in ranges), "a split of the longest request is empty"
+    assert sum(hi - lo for lo, hi in ranges) == -(-length // TILE)
+    if s > 1:
+        # Splitting only when the CTAs alone leave SMs short, and never below the minimum split.
+        assert batch * heads < 2 * sms
+        assert min(hi - lo for lo, hi in ranges[:-1]) * TILE >= MIN_TOKENS_PER_SPLIT
+    if batch * heads >= 2 * sms:
+        assert s == 1
+    elif length >= 2 * sms * MIN_TOKENS_PER_SPLIT:
+        assert batch * heads * s >= 2 * sms * 0.9   # long requests: the machine is filled
+
+
+def test_split_heuristic_issue_shape():
+    # The issue's target shape (32 requests x 32K, 8 KV heads) keeps a few splits at most; one request
+    # of 32K is cut into many.
+    assert choose_num_splits(32, 8, 32768, 132) <= 2
+    assert choose_num_splits(1, 8, 32768, 132) >= 16
+
+
+def test_workspace_bytes():
+    assert workspace_bytes(1, 32, 32, 128) == 0
+    assert workspace_bytes(4, 32, 32, 128) == 4 * 32 * 32 * 129 * 4
+
+
+def test_specs_and_unsupported_shapes():
+    s = decode_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, group_size=4, arch=ARCH)
+    assert s.key == "decode_group_size-4_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a"
+    for bad in (dict(head_dim=256), dict(group_size=9), dict(page_size=8), dict(recipe="fp4")):
+        kw = dict(recipe="qk4pv8", head_dim=128, page_size=16, group_size=4, arch=ARCH) | bad
+        with pytest.raises(UnknownKernelError):
+            decode_op.spec(**kw)
+    assert len(decode_op.server_specs(num_qo_heads=32, num_kv_heads=8, head_dim=128, recipe="qk4pv8",
+                                      page_size=16, arch=ARCH)) == 1
+    assert decode_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8",
+                                  page_size=16, arch=ARCH) == []
+    assert decode_op in mpfa_jit.ops.OPS
+
+
+def test_render_substitutes_parameters():
+    src = render("decode.cu.jinja", {"recipe": "qk8pv8", "head_dim": 64, "page_size": 32, "group_size": 5,
+                                     "arch": ARCH})
+    assert "constexpr int kRecipe = 1;" in src and "constexpr int kGroup = 5;" in src
+    assert "constexpr int kPageSize = 32;" in src and "constexpr int kHeadDim = 64;" in src
+
+
+def test_plan_validates_on_cpu_reference():
+    # The reference path plans anywhere; num_splits is validated before the backend is chosen.
+    w = BatchDecodeWrapper(torch.empty(1024, dtype=torch.uint8), backend="reference")
+    indptr = torch.tensor([0, 2, 3])
+    indices = torch.tensor([4, 1, 0])
+    last = torch.tensor([5, 16])
+    w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8")
+    assert w.num_splits is None
+    with pytest.raises(ValueError, match="num_splits"):
+        w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=0)
+
+
+def _sass_tools():
+    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+    return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("recipe,head_dim,page_size,group", [("qk4pv8", 128, 16, 4), ("bf16", 64, 1, 1),
+                                                             ("qk8pv8", 128, 32, 8), ("qk4pv8", 64, 64, 5)])
+def test_decode_template_compiles(recipe, head_dim, page_size, group, jit_cache):
+    spec = decode_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group, arch=ARCH)
+    uri, built, _ = mpfa_jit.build_only(spec)
+    assert built and mpfa_jit.Store(jit_cache).check(uri) == "ok"
+
+
+@pytest.mark.nvcc
+def test_decode_sass_has_mma_and_no_spills(jit_cache):
+    cuobjdump, tool_env = _sass_tools()
+    spec = decode_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, group_size=4, arch=ARCH)
+    uri, _, _ = mpfa_jit.build_only(spec)
+    lib = str(mpfa_jit.Store(jit_cache).library(uri))
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
+                           env=tool_env).stdout
+    decode_usage = usage[usage.index("decode_kernel"):]
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", decode_usage)
+    assert m and m.group(2) == "0" and m.group(3) == "0", decode_usage[:300]
+    assert int(m.group(1)) <= 168      # __launch_bounds__(128, 3): three CTAs per SM
+    sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
+    assert sass.returncode == 0, sass.stderr
+    assert "HMMA.16816.F32" in sass.stdout                        # tensor-core mma.sync, fp32 accumulate
+    assert "LDGSTS" in sass.stdout                                # cp.async into shared memory
+    assert "LDS.128" in sass.stdout                               # 16-byte shared reads of K/V
+    assert "LDL" not in sass.stdout and "STL" not in sass.stdout  # nothing spilled

@@ -1,0 +1,237 @@
+"""The batch-decode kernel on the GPU against the fp64 reference on the dequantized cache, for every
+built recipe, head_dim, page size and group size; ragged lengths, permuted pages, NaN-poisoned
+outputs and NaN-poisoned cache slots past each request's length (the kernel must never read them);
+forced split counts; and CUDA-graph replay while lengths grow."""
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import mpfa
+from mpfa.reference import attention, gather_pages
+
+pytestmark = [pytest.mark.gpu]
+
+RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+WORKSPACE = 64 << 20
+
+
+def _rows(n, heads, d, gen, scale=1.0):
+    """bf16 rows with outlier channels (large mean and large spread), as real K/V have."""
+    x = torch.randn(n, heads, d, generator=gen, device="cuda") * scale
+    x[..., 3] = x[..., 3] * 20 + 40
+    x[..., d // 2 + 1] *= 30
+    return x.to(torch.bfloat16)
+
+
+def _lengths(page_size):
+    p = page_size
+    return [1, 3 * p, 5 * p + (7 if p > 8 else 0) + 37, 64 * 3, 777, 64 * 5 + 1]
+
+
+def _make_batch(recipe, head_dim, page_size, num_kv_heads, lengths, gen, extra_pages=5):
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per) + extra_pages
+    cache = mpfa.PagedKVCache(recipe, num_layers=2, num_pages=num_pages, page_size=page_size,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, device="cuda")
+    n_slots = num_pages * page_size
+    k, v = _rows(n_slots, num_kv_heads, head_dim, gen), _rows(n_slots, num_kv_heads, head_dim, gen)
+    cache.calibrate(1, k[:256], v[:256])
+    layer = cache.layer(1)
+    mpfa.append_kv(k, v, layer, torch.arange(n_slots, device="cuda"))
+    perm = torch.randperm(num_pages, generator=gen, device="cuda")
+    indices = perm[: sum(pages_per)].to(torch.int32)
+    indptr = torch.tensor([0] + list(itertools.accumulate(pages_per)), dtype=torch.int32, device="cuda")
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages_per)], dtype=torch.int32,
+                        device="cuda")
+    # Slots past each request's length in its last page hold NaN bytes: the kernel must not use them.
+    for b, n in enumerate(lengths):
+        page = int(indices[int(indptr[b + 1]) - 1])
+        off = n - (pages_per[b] - 1) * page_size
+        for t in layer.fields.values():
+            t[page, :, off:].view(torch.uint8).fill_(0xFF)
+    return cache, layer, indptr, indices, last
+
+
+def _reference(q, layer, indptr, indices, lengths, sm_scale=None):
+    kd, vd = layer.dequantize(dtype=torch.float64)
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        ids = indices[int(indptr[b]):int(indptr[b + 1])]
+        kb, vb = gather_pages(kd, ids, n), gather_pages(vd, ids, n)
+        o, lse = attention(q[b:b + 1], kb, vb, causal=False, sm_scale=sm_scale, dtype=torch.float64)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _check(o, lse, o_ref, lse_ref, tol=5e-3):
+    assert torch.isfinite(o).all(), "output has non-finite elements (unwritten or NaN read)"
+    for b in range(o.shape[0]):
+        err = _rel_l2(o[b], o_ref[b])
+        assert err <= tol, f"request {b}: rel-L2 {err:.2e} > {tol}"
+    if lse is not None:
+        assert torch.isfinite(lse).all()
+        assert torch.allclose(lse.double(), lse_ref, atol=2e-3, rtol=1e-4), (lse.double() - lse_ref).abs().max()
+
+
+@pytest.mark.parametrize("recipe,head_dim,page_size,group",
+                         list(itertools.product(RECIPES, (64, 128), (1, 16, 32, 64), (1, 3, 4, 5, 8))))
+def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, shared_jit_cache):
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{recipe}-{head_dim}-{page_size}-{group}".encode()))
+    hkv = 2
+    lengths = _lengths(page_size)
+    cache, layer, indptr, indices, last = _make_batch(recipe, head_dim, page_size, hkv, lengths, gen)
+    q = _rows(len(lengths), hkv * group, head_dim, gen)
+    w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, hkv * group, hkv, head_dim, page_size, recipe=recipe)
+    assert w.backend == "cuda"
+    out = torch.full_like(q, float("nan"))
+    o, lse = w.run(q, layer, out=out, return_lse=True)
+    assert o.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
+    _check(o, lse, o_ref, lse_ref)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_forced_num_splits_agree(recipe, shared_jit_cache):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hkv, group, d, p = 2, 4, 128, 16
+    lengths = [1, 16, 1000, 4097, 64, 65]
+    cache, layer, indptr, indices, last = _make_batch(recipe, d, p, hkv, lengths, gen)
+    q = _rows(len(lengths), hkv * group, d, gen)
+    o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
+    results = []
+    for splits in (1, 2, 7, None):
+        w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+        if splits is not None:
+            assert w.num_splits == splits
+        o, lse = w.run(q, layer, out=torch.full_like(q, float("nan")), return_lse=True)
+        torch.cuda.synchronize()
+        _check(o, lse, o_ref, lse_ref)
+        results.append(o.float())
+    for r in results[1:]:
+        assert _rel_l2(r, results[0]) <= 3e-3
+
+
+def test_workspace_too_small_names_the_buffer(shared_jit_cache):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cache, layer, indptr, indices, last = _make_batch("qk4pv8", 128, 16, 2, [4000, 4000], gen)
+    w = mpfa.BatchDecodeWrapper(torch.empty(1024, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(ValueError, match="workspace_buffer"):
+        w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=8)
+
+
+def test_unbuilt_shapes_raise(shared_jit_cache):
+    from mpfa_jit import UnknownKernelError
+    w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([0], dtype=torch.int32, device="cuda")
+    last = torch.tensor([3], dtype=torch.int32, device="cuda")
+    with pytest.raises(UnknownKernelError):
+        w.plan(indptr, idx, last, 32, 2, 128, 16, recipe="qk4pv8")    # group 16
+    with pytest.raises(UnknownKernelError):
+        w.plan(indptr, idx, last, 8, 2, 256, 16, recipe="qk4pv8")     # head_dim 256
+
+
+def test_large_query_and_empty_request(shared_jit_cache):
+    """|Q| beyond fp16's range takes the kernel's power-of-two prescale; a request with no pages gets
+    O = 0 and LSE = -inf."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    hkv, group, d, p = 2, 4, 128, 16
+    lengths = [300, 77]
+    for recipe in RECIPES:
+        cache, layer, indptr, indices, last = _make_batch(recipe, d, p, hkv, lengths, gen)
+        q = (torch.randn(2, hkv * group, d, generator=gen, device="cuda") * 3e4).to(torch.bfloat16)
+        w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, sm_scale=1e-4)
+        o, lse = w.run(q, layer, return_lse=True)
+        torch.cuda.synchronize()
+        o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths, sm_scale=1e-4)
+        _check(o, None, o_ref, lse_ref)
+        assert torch.allclose(lse.double(), lse_ref, atol=1e-2, rtol=1e-4)
+    # An empty request (0 pages, last_page_len 0) between two others.
+    cache, layer, indptr, indices, last = _make_batch("qk4pv8", d, p, hkv, [50, 20], gen)
+    indptr3 = torch.tensor([0, int(indptr[1]), int(indptr[1]), int(indptr[2])], dtype=torch.int32, device="cuda")
+    last3 = torch.tensor([int(last[0]), 0, int(last[1])], dtype=torch.int32, device="cuda")
+    q = _rows(3, hkv * group, d, gen)
+    for splits in (1, 3):
+        w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(indptr3, indices, last3, hkv * group, hkv, d, p, recipe="qk4pv8", num_splits=splits)
+        o, lse = w.run(q, layer, out=torch.full_like(q, float("nan")), return_lse=True)
+        torch.cuda.synchronize()
+        assert (o[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] < 0).all()
+        o_ref, lse_ref = _reference(q[[0, 2]], layer, indptr, indices, [50, 20])
+        _check(o[[0, 2]], lse[[0, 2]], o_ref, lse_ref)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_graph_replay_with_growing_lengths(recipe, shared_jit_cache):
+    """Capture run once; then for 50 steps append a token per request, update the page table in
+    place, re-plan (same num_splits: same buffers) and replay. Each replay equals an eager run."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    hkv, group, d, p, steps, splits = 2, 4, 128, 16, 50, 3
+    start = [1, 15, 16, 63, 300]
+    batch = len(start)
+    max_pages = [-(-(n + steps) // p) for n in start]
+    num_pages = sum(max_pages) + 3
+    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=num_pages, page_size=p, num_kv_heads=hkv, head_dim=d)
+    layer = cache.layer(0)
+    cache.calibrate(0, _rows(256, hkv, d, gen), _rows(256, hkv, d, gen))
+    perm = torch.randperm(num_pages, generator=gen, device="cuda")
+    owned, pos = [], 0
+    for m in max_pages:
+        owned.append(perm[pos:pos + m])
+        pos += m
+    slots_of = [torch.stack([owned[b][t // p] * p + t % p for t in range(start[b] + steps)]) for b in range(batch)]
+    for b in range(batch):   # the prefix
+        n = start[b]
+        mpfa.append_kv(_rows(n, hkv, d, gen), _rows(n, hkv, d, gen), layer, slots_of[b][:n])
+    indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    indices = torch.zeros(sum(max_pages), dtype=torch.int32, device="cuda")
+    last = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    lengths = list(start)
+
+    def update_tables():
+        n_pages = [-(-n // p) for n in lengths]
+        indptr.copy_(torch.tensor([0] + list(itertools.accumulate(n_pages)), dtype=torch.int32))
+        indices.zero_()
+        indices[: sum(n_pages)].copy_(torch.cat([owned[b][:n_pages[b]] for b in range(batch)]).to(torch.int32))
+        last.copy_(torch.tensor([n - (k - 1) * p for n, k in zip(lengths, n_pages)], dtype=torch.int32))
+
+    update_tables()
+    ws_graph = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    w = mpfa.BatchDecodeWrapper(ws_graph)
+    eager = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    q = _rows(batch, hkv * group, d, gen)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hkv * group, dtype=torch.float32, device="cuda")
+    w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+    w.run(q, layer, out=out)                     # load and configure the kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse_g = w.run(q, layer, out=out, return_lse=True)
+    for step in range(steps):
+        for b in range(batch):   # one new token per request
+            mpfa.append_kv(_rows(1, hkv, d, gen), _rows(1, hkv, d, gen), layer, slots_of[b][lengths[b]:lengths[b] + 1])
+            lengths[b] += 1
+        update_tables()
+        q.copy_(_rows(batch, hkv * group, d, gen))
+        w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+        graph.replay()
+        eager.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+        o_e, lse_e = eager.run(q, layer, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, o_e), f"step {step}: graph replay differs from the eager run"
+        assert torch.equal(lse_g, lse_e)
+        if step % 10 == 9:
+            o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
+            _check(out, lse_g, o_ref, lse_ref)
