@@ -1,0 +1,217 @@
+"""Decode suite: one query token per request over a paged KV cache (issue shapes, head_dim 128,
+32 query / 8 KV heads), mpfa per recipe beside FlashInfer's BatchDecodeWithPagedKVCacheWrapper.
+
+Decode is memory-bound on the cache: bytes = batch x context x KV heads x bytes per token-head
+(K and V with their per-token scales) plus Q and O; the fraction is against the same-run HBM read
+ceiling. Caches are far larger than L2 (the smallest, 1 x 128K qk4pv8, is 214 MB), so no rotation.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+NAME = "decode"
+RESULT = "decode_h200"
+
+QO_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (batch, context)
+PAGE_SIZES = (16, 1)
+RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+BYTES_PER_TOKEN_HEAD = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fi-bf16": 512, "fi-fp8": 256}
+HEADLINE = (32, 32768, 16)     # the issue's comparison point
+BIG = 256 * 1024               # batch x context from which the 80% bandwidth target applies
+
+TABLE = [
+    ("impl", "impl", "{}"),
+    ("kv", "recipe", "{}"),
+    ("batch", "batch", "{}"),
+    ("context", "context", "{}"),
+    ("page", "page_size", "{}"),
+    ("splits", "num_splits", "{}"),
+    ("ms", "ms", "{:.4f}"),
+    ("GB/s", "gbps", "{:,.0f}"),
+    ("of HBM read", "hbm_fraction", "{:.2f}"),
+    ("spread", "spread", "{:.1%}"),
+    ("status", "status", "{}"),
+    ("note", "reason", lambda s: str(s)[:60]),
+]
+
+
+def _case(impl, recipe, batch, context, page_size):
+    return {"id": f"{impl}/{recipe}/b{batch}/ctx{context}/page{page_size}", "kind": "kernel", "impl": impl,
+            "recipe": recipe, "batch": batch, "context": context, "page_size": page_size,
+            "qo_heads": QO_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+
+
+def cases(quick: bool = False) -> list[dict]:
+    shapes = [HEADLINE[:2]] if quick else SHAPES
+    pages = (16,) if quick else PAGE_SIZES
+    out = []
+    for b, ctx in shapes:
+        for p in pages:
+            out += [_case("mpfa", r, b, ctx, p) for r in RECIPES]
+            out += [_case("flashinfer", kv, b, ctx, p) for kv in ("fi-bf16", "fi-fp8")]
+    return out
+
+
+def _page_table(batch, context, page_size, device, gen):
+    import torch
+    per_req = context // page_size
+    num_pages = batch * per_req + 1
+    indices = torch.randperm(num_pages, generator=gen, device=device)[: batch * per_req].to(torch.int32)
+    indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * per_req
+    last = torch.full((batch,), page_size, dtype=torch.int32, device=device)
+    return num_pages, indptr, indices, last
+
+
+def _fill_mpfa(cache, gen):
+    """Every slot holds a real appended row (random bf16 K/V through the append kernel)."""
+    import torch
+    import mpfa
+    chunk = 65536
+    layer = cache.layer(0)
+    k = torch.randn(chunk, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    v = torch.randn(chunk, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    cache.calibrate(0, k, v)
+    for start in range(0, cache.num_slots, chunk):
+        n = min(chunk, cache.num_slots - start)
+        mpfa.append_kv(k[:n], v[:n], layer, torch.arange(start, start + n, device="cuda"))
+
+
+def _mpfa(case, ctx, gen):
+    import torch
+    import mpfa
+    b, c, p = case["batch"], case["context"], case["page_size"]
+    num_pages, indptr, indices, last = _page_table(b, c, p, "cuda", gen)
+    cache = mpfa.PagedKVCache(case["recipe"], num_layers=1, num_pages=num_pages, page_size=p, num_kv_heads=KV_HEADS,
+                              head_dim=HEAD_DIM, device="cuda")
+    _fill_mpfa(cache, gen)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = mpfa.BatchDecodeWrapper(ws)
+    w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"])
+    q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(q)
+    layer = cache.layer(0)
+    timing = ctx.bench(lambda: w.run(q, layer, out=out))
+    return timing, {"num_splits": w.num_splits, "bytes_per_token_head": cache.bytes_per_token_head}
+
+
+def _flashinfer(case, ctx, gen):
+    import torch
+    from benchmarks.suites import Skip
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise Skip(f"flashinfer not importable: {e}")
+    b, c, p = case["batch"], case["context"], case["page_size"]
+    num_pages, indptr, indices, last = _page_table(b, c, p, "cuda", gen)
+    fp8 = case["recipe"] == "fi-fp8"
+    shape = (num_pages, KV_HEADS, p, HEAD_DIM)   # HND
+    kc = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    best = None
+    for tc in (False, True):   # FlashInfer's best configuration for the shape
+        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tc)
+        w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, q_data_type=torch.bfloat16,
+               kv_data_type=kc.dtype)
+        kw = {"k_scale": 1.0, "v_scale": 1.0} if fp8 else {}
+        t = ctx.bench(lambda: w.run(q, (kc, vc), **kw))
+        if best is None or t.median < best[0].median:
+            best = (t, {"use_tensor_cores": tc, "bytes_per_token_head": BYTES_PER_TOKEN_HEAD[case["recipe"]]})
+    return best
+
+
+def run_case(case: dict, ctx) -> dict:
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(ctx.seed + hash(case["id"]) % 1000)
+    try:
+        timing, extra = (_mpfa if case["impl"] == "mpfa" else _flashinfer)(case, ctx, gen)
+    finally:
+        torch.cuda.empty_cache()
+    tokens = case["batch"] * case["context"]
+    qo = 2 * case["batch"] * QO_HEADS * HEAD_DIM * 2   # read q, write o (bf16)
+    return {**case, **extra, "status": "ok", "bytes": tokens * KV_HEADS * extra["bytes_per_token_head"] + qo,
+            **timing.as_row()}
+
+
+def _gbps(row):
+    return row["bytes"] / (row["ms"] * 1e-3) / 1e9
+
+
+def _hbm_gbps(rows):
+    for r in rows:
+        if r.get("kind") == "ceiling" and r.get("name") == "hbm_read" and r.get("status", "ok") == "ok":
+            return _gbps(r)
+    return None
+
+
+def _ok(rows):
+    return [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+
+
+def annotate(rows: list[dict]) -> list[dict]:
+    hbm = _hbm_gbps(rows)
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r.get("kind") == "kernel" and r.get("status") == "ok":
+            r["gbps"] = _gbps(r)
+            r["hbm_fraction"] = r["gbps"] / hbm if hbm else None
+        out.append(r)
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    from benchmarks.stats import max_spread
+    hbm = _hbm_gbps(rows)
+    ok = _ok(rows)
+
+    def find(impl, recipe, b, c, p):
+        return next((r for r in ok if (r["impl"], r["recipe"], r["batch"], r["context"], r["page_size"])
+                     == (impl, recipe, b, c, p)), None)
+
+    def fractions(recipe, pred):
+        return [_gbps(r) / hbm for r in ok if r["impl"] == "mpfa" and r["recipe"] == recipe and pred(r)] if hbm else []
+
+    by_recipe = {r: min(fractions(r, lambda x: x["batch"] * x["context"] >= BIG), default=None) for r in RECIPES}
+    mine = find("mpfa", "qk4pv8", *HEADLINE)
+
+    def ratio(peer):
+        other = find("flashinfer", peer, *HEADLINE)
+        return mine["ms"] / other["ms"] if mine and other else None
+
+    single = fractions("qk4pv8", lambda x: (x["batch"], x["context"]) == (1, 131072))
+    fi_nvfp4 = find("flashinfer", "fi-nvfp4", *HEADLINE)
+    return {
+        "hbm_read_gbps": hbm,
+        "min_hbm_fraction": by_recipe["qk4pv8"],
+        "min_hbm_fraction_by_recipe": by_recipe,
+        "hbm_fraction_1x128k_qk4pv8": min(single) if single else None,
+        "time_ratio_vs_flashinfer_bf16": ratio("fi-bf16"),
+        "time_ratio_vs_flashinfer_fp8": ratio("fi-fp8"),
+        "speedup_vs_flashinfer_nvfp4": fi_nvfp4["ms"] / mine["ms"] if mine and fi_nvfp4 else None,
+        "max_spread": max_spread(rows),
+        "errors": sum(1 for r in rows if r.get("status") == "error"),
+        "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
+    }
+
+
+def plot(result: dict, out_dir: Path) -> list[Path]:
+    """Achieved bandwidth against batch x context, per implementation, with the HBM ceiling."""
+    from benchmarks import plots
+    ok = [r for r in _ok(result["rows"]) if r["page_size"] == 16]
+    if not ok:
+        return []
+    xs = sorted({r["batch"] * r["context"] for r in ok})
+    series = {}
+    for r in ok:
+        series.setdefault(f"{r['impl']} {r['recipe']}", {})[r["batch"] * r["context"]] = _gbps(r)
+    hbm = _hbm_gbps(result["rows"])
+    path = plots.line([x / 1024 for x in xs], {k: [v.get(x) for x in xs] for k, v in series.items()},
+                      Path(out_dir) / f"{RESULT}.png", title="decode, page 16: bandwidth vs batch x context",
+                      xlabel="batch x context (K tokens)", ylabel="GB/s (cache bytes read)",
+                      hlines={"HBM read ceiling": hbm} if hbm else None)
+    return [path]
