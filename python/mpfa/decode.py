@@ -25,9 +25,8 @@ from mpfa_jit import UnknownKernelError, get_kernel
 from mpfa_jit.ops import decode as decode_op
 
 from .backend import kernel_arch, resolve
-from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged
+from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
 from .prefill import _check_workspace
-from .reference.attention import batch_attention
 from .validation import check_tensor, check_vector_rows
 
 TILE = 64                      # tokens per pipeline stage of the kernel; splits are whole tiles
@@ -167,18 +166,8 @@ class BatchDecodeWrapper:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=shape, device=kv.device)
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
-        ids = paged.paged_kv_indices[: int(paged.paged_kv_indptr[-1])]
-        k_pages, v_pages = kv.dequantize(pages=ids)
-        local = torch.arange(ids.numel(), device=ids.device)
         qo_indptr = torch.arange(paged.batch_size + 1, device=q.device)
-        o, lse = batch_attention(q, qo_indptr, k_pages, v_pages, paged.paged_kv_indptr, local,
-                                 paged.paged_kv_last_page_len, causal=False, sm_scale=p["sm_scale"],
-                                 dtype=torch.float32)
-        o = o.to(torch.bfloat16)
-        if out is not None:
-            out.copy_(o)
-            o = out
-        return (o, lse) if return_lse else o
+        return reference_run(q, qo_indptr, kv, paged, out, return_lse, causal=False, sm_scale=p["sm_scale"])
 
     def _run_kernel(self, q, kv, out, return_lse):
         p, buf = self._plan, self._buffers

@@ -77,3 +77,19 @@ def check_pages_fit(paged: PagedBatch, kv) -> None:
     if paged.max_page_index >= kv.cache.num_pages:
         raise ValueError(f"paged_kv_indices must be < num_pages={kv.cache.num_pages} of the cache, "
                          f"got page {paged.max_page_index}")
+
+
+def reference_run(q, qo_indptr, kv, paged: PagedBatch, out, return_lse: bool, **attention_kwargs):
+    """Both wrappers' reference path: dequantize only the pages the batch uses, run
+    :func:`mpfa.reference.batch_attention` in float32, return bf16 O (into ``out`` if given)."""
+    from .reference.attention import batch_attention
+    ids = paged.paged_kv_indices[: int(paged.paged_kv_indptr[-1])]
+    k_pages, v_pages = kv.dequantize(pages=ids)
+    local = torch.arange(ids.numel(), device=ids.device)
+    o, lse = batch_attention(q, qo_indptr, k_pages, v_pages, paged.paged_kv_indptr, local,
+                             paged.paged_kv_last_page_len, dtype=torch.float32, **attention_kwargs)
+    o = o.to(torch.bfloat16)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, lse) if return_lse else o

@@ -16,8 +16,7 @@ import torch
 from mpfa_jit import UnknownKernelError
 
 from .backend import resolve
-from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged
-from .reference.attention import batch_attention
+from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
 from .validation import check_tensor
 
 Q_TILE = 128   # query rows per tile (one FP8 scale per tile and head)
@@ -77,16 +76,5 @@ class BatchPrefillWrapper:
                      device=kv.device)
         if out is not None:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=tuple(q.shape), device=kv.device)
-        paged = p["paged"]
-        ids = paged.paged_kv_indices[: int(paged.paged_kv_indptr[-1])]
-        k_pages, v_pages = kv.dequantize(pages=ids)
-        local = torch.arange(ids.numel(), device=ids.device)
-        o, lse = batch_attention(q, p["qo_indptr"], k_pages, v_pages, paged.paged_kv_indptr, local,
-                                 paged.paged_kv_last_page_len, causal=p["causal"], sm_scale=p["sm_scale"],
-                                 recipe=p["recipe"], compensation=p["compensation"], q_tile=Q_TILE,
-                                 dtype=torch.float32)
-        o = o.to(torch.bfloat16)
-        if out is not None:
-            out.copy_(o)
-            o = out
-        return (o, lse) if return_lse else o
+        return reference_run(q, p["qo_indptr"], kv, p["paged"], out, return_lse, causal=p["causal"],
+                             sm_scale=p["sm_scale"], recipe=p["recipe"], compensation=p["compensation"], q_tile=Q_TILE)
