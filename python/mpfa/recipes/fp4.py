@@ -102,7 +102,7 @@ def quantize_k4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     blocks = x.reshape(*x.shape[:-1], d // BLOCK, BLOCK)
     block_amax = blocks.abs().amax(dim=-1)
     token_scale = amax_scale(block_amax.amax(dim=-1), TOKEN_TARGET)
-    need = block_amax / (token_scale.unsqueeze(-1) * E2M1_MAX)
+    need = block_amax * (1.0 / (token_scale.unsqueeze(-1) * E2M1_MAX))   # the kernel's operations
     bs = round_up_block_scale(need)
     inv = 1.0 / (token_scale.unsqueeze(-1) * bs)      # one reciprocal per block, as in the kernel
     codes = e2m1_codes(blocks * inv.unsqueeze(-1)).reshape(*x.shape[:-1], d)

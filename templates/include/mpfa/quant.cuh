@@ -27,23 +27,31 @@ __device__ __forceinline__ float amax_scale(float amax, float target) {
   return amax > 0.f ? amax / target : 1.f;
 }
 
-// Smallest allowed block scale (2^e or 1.5*2^e, products with E2M1 exact in E4M3) >= need.
+// Smallest allowed block scale (2^e or 1.5*2^e, products with E2M1 exact in E4M3) >= need, on the
+// FP32 bits: a zero mantissa keeps 2^e, a mantissa <= .5 gives 1.5*2^e, else 2^(e+1); then the
+// clamps of the allowed range (the reference does the same with frexp).
 __device__ __forceinline__ float round_up_block_scale(float need) {
-  int exp;
-  float mant = frexpf(need, &exp);      // need = mant * 2^exp, mant in [0.5, 1)
-  float f = mant * 2.f;
-  float p = ldexpf(1.f, exp - 1);
-  float s = (f == 1.f) ? p : (f <= 1.5f ? 1.5f * p : 2.f * p);
+  const uint32_t b = __float_as_uint(need);
+  const uint32_t e = b & 0x7f800000u, m = b & 0x007fffffu;
+  float s = __uint_as_float(m == 0 ? e : (m <= 0x00400000u ? (e | 0x00400000u) : e + 0x00800000u));
   if (need <= kBlockScaleMin) s = kBlockScaleMin;
   if (s == 1.5f * kBlockScaleMin) s = 2.f * kBlockScaleMin;  // 1.5*2^-8 leaves E4M3's grid
   return fminf(s, kBlockScaleMax);
 }
 
 // E2M1 nibble (sign << 3 | magnitude code) of y, nearest with ties to the even code, saturating.
+// Below 1 the grid is {0, 0.5, 1}: two compares. From 1 up, E2M1 is a float with one mantissa
+// bit: round the FP32 bits to nearest-even at bit 22, then (exponent << 1 | mantissa bit) - 252
+// is the code (1.0 -> 2 ... 6.0 -> 7), clamped at 7. Same results as the reference's thresholds
+// (tests/cpu/test_recipes.py checks the bit trick against them).
 __device__ __forceinline__ uint32_t e2m1_code(float y) {
-  float a = fabsf(y);
-  uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return m | (y < 0.f ? 8u : 0u);
+  const uint32_t bits = __float_as_uint(y);
+  const uint32_t a = bits & 0x7fffffffu;
+  const float af = __uint_as_float(a);
+  const uint32_t rounded = a + 0x1fffffu + ((a >> 22) & 1u);
+  const uint32_t normal = min(rounded >> 22, 259u) - 252u;
+  const uint32_t small = (af > 0.25f ? 1u : 0u) + (af >= 0.75f ? 1u : 0u);
+  return (af < 1.f ? small : normal) | (a != 0 ? (bits >> 28) & 8u : 0u);   // -0 keeps no sign, like y < 0
 }
 
 }  // namespace mpfa
