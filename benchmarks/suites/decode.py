@@ -16,7 +16,8 @@ QO_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (batch, context)
 PAGE_SIZES = (16, 1)
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
-BYTES_PER_TOKEN_HEAD = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fi-bf16": 512, "fi-fp8": 256}
+# FlashInfer NVFP4 KV: 64 B K + 64 B V values and 8 + 8 B of E4M3 block scales.
+BYTES_PER_TOKEN_HEAD = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fi-bf16": 512, "fi-fp8": 256, "fi-nvfp4": 144}
 HEADLINE = (32, 32768, 16)     # the comparison point
 BIG = 256 * 1024               # batch x context from which the 80% bandwidth target applies
 
@@ -49,7 +50,7 @@ def cases(quick: bool = False) -> list[dict]:
     for b, ctx in shapes:
         for p in pages:
             out += [_case("mpfa", r, b, ctx, p) for r in RECIPES]
-            out += [_case("flashinfer", kv, b, ctx, p) for kv in ("fi-bf16", "fi-fp8")]
+            out += [_case("flashinfer", kv, b, ctx, p) for kv in ("fi-bf16", "fi-fp8", "fi-nvfp4")]
     return out
 
 
@@ -104,23 +105,40 @@ def _flashinfer(case, ctx, gen):
         raise Skip(f"flashinfer not importable: {e}")
     b, c, p = case["batch"], case["context"], case["page_size"]
     num_pages, indptr, indices, last = _page_table(b, c, p, "cuda", gen)
-    fp8 = case["recipe"] == "fi-fp8"
+    kind = case["recipe"]
     shape = (num_pages, KV_HEADS, p, HEAD_DIM)   # HND
-    kc = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
-    vc = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
-    if fp8:
-        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    run_kw = {}
+    if kind == "fi-nvfp4":
+        # Packed E2M1 pairs (every byte is two valid codes) with E4M3 block scales per 16 channels.
+        half = shape[:-1] + (HEAD_DIM // 2,)
+        kc = torch.randint(0, 256, half, generator=gen, device="cuda", dtype=torch.uint8)
+        vc = torch.randint(0, 256, half, generator=gen, device="cuda", dtype=torch.uint8)
+        sf = shape[:-1] + (HEAD_DIM // 16,)
+        ks = (torch.rand(sf, generator=gen, device="cuda") + 0.5).to(torch.float8_e4m3fn)
+        vs = (torch.rand(sf, generator=gen, device="cuda") + 0.5).to(torch.float8_e4m3fn)
+        run_kw = {"kv_cache_sf": (ks, vs), "k_scale": 1.0, "v_scale": 1.0}
+    else:
+        kc = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+        vc = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+        if kind == "fi-fp8":
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+            run_kw = {"k_scale": 1.0, "v_scale": 1.0}
     q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
-    best = None
+    best, errors = None, []
     for tc in (False, True):   # FlashInfer's best configuration for the shape
-        ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tc)
-        w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, q_data_type=torch.bfloat16,
-               kv_data_type=kc.dtype)
-        kw = {"k_scale": 1.0, "v_scale": 1.0} if fp8 else {}
-        t = ctx.bench(lambda: w.run(q, (kc, vc), **kw))
+        try:
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tc)
+            w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, q_data_type=torch.bfloat16,
+                   kv_data_type=kc.dtype)
+            t = ctx.bench(lambda: w.run(q, (kc, vc), **run_kw))
+        except Exception as e:   # FlashInfer lacks this configuration for this cache type
+            errors.append(f"use_tensor_cores={tc}: {type(e).__name__}: {e}")
+            continue
         if best is None or t.median < best[0].median:
-            best = (t, {"use_tensor_cores": tc, "bytes_per_token_head": BYTES_PER_TOKEN_HEAD[case["recipe"]]})
+            best = (t, {"use_tensor_cores": tc, "bytes_per_token_head": BYTES_PER_TOKEN_HEAD[kind]})
+    if best is None:
+        raise RuntimeError("; ".join(errors))
     return best
 
 
