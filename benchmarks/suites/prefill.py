@@ -1,0 +1,240 @@
+"""Prefill suite: causal attention at head_dim 128, 32 query / 8 KV heads (issue 3's shapes), mpfa per
+recipe (its time includes Q quantization and the compensation vector; the K/V append is the append
+suite's) beside FlashInfer fa3 (BF16 and FP8) and cuDNN BF16 through torch SDPA.
+
+FLOPs count only the unmasked (query, key) pairs: 4 * D * H_q * pairs, with the causal mask aligned
+bottom-right (a chunk of n queries over m keys sees m - n + i + 1 keys at row i).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+NAME = "prefill"
+RESULT = "prefill_h200"
+
+QO_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+# (name, [(new tokens, cached prefix tokens) per request])
+SHAPES = (
+    ("16K", [(16384, 0)]),
+    ("32K", [(32768, 0)]),
+    ("64K", [(65536, 0)]),
+    ("128K", [(131072, 0)]),
+    ("8x16K", [(16384, 0)] * 8),
+    ("extend 8K over 56K", [(8192, 57344)]),
+)
+RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+PEERS = ("fa3-fp8", "fa3-bf16", "cudnn-bf16")
+
+TABLE = [
+    ("impl", "impl", "{}"),
+    ("recipe", "recipe", "{}"),
+    ("shape", "shape", "{}"),
+    ("comp", "compensation", "{}"),
+    ("ms", "ms", "{:.3f}"),
+    ("TFLOP/s", "tflops", "{:,.0f}"),
+    ("of FP8 MMA", "fp8_fraction", "{:.2f}"),
+    ("spread", "spread", "{:.1%}"),
+    ("status", "status", "{}"),
+    ("note", "reason", lambda s: str(s)[:60]),
+]
+
+
+def pairs(requests) -> int:
+    return sum(n * p + n * (n + 1) // 2 for n, p in requests)
+
+
+def _case(impl, recipe, shape, requests, compensation=None):
+    cid = f"{impl}/{recipe}/{shape}" + ("" if compensation is None else f"/comp{int(compensation)}")
+    return {"id": cid, "kind": "kernel", "impl": impl, "recipe": recipe, "shape": shape, "requests": requests,
+            "compensation": compensation, "flops": 4 * HEAD_DIM * QO_HEADS * pairs(requests)}
+
+
+def cases(quick: bool = False) -> list[dict]:
+    shapes = SHAPES[1:2] if quick else SHAPES
+    out = []
+    for name, reqs in shapes:
+        out += [_case("mpfa", r, name, reqs, r != "bf16" or None) for r in RECIPES]
+        out.append(_case("mpfa", "qk4pv8", name, reqs, False))     # compensation's overhead
+        out += [_case("flashinfer" if p.startswith("fa3") else "cudnn", p, name, reqs) for p in PEERS]
+    return out
+
+
+def _inputs(requests, gen):
+    import torch
+    qs, ks, vs = [], [], []
+    for n, p in requests:
+        qs.append(torch.randn(n, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16))
+        ks.append(torch.randn(n + p, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16))
+        vs.append(torch.randn(n + p, KV_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16))
+    return qs, ks, vs
+
+
+def _mpfa(case, ctx, gen):
+    import torch
+    import mpfa
+    reqs = case["requests"]
+    qs, ks, vs = _inputs(reqs, gen)
+    pages_per = [math.ceil((n + p) / PAGE) for n, p in reqs]
+    num_pages = sum(pages_per) + 1
+    cache = mpfa.PagedKVCache(case["recipe"], num_layers=1, num_pages=num_pages, page_size=PAGE,
+                              num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    cache.calibrate(0, ks[0][:4096], vs[0][:4096])
+    perm = torch.randperm(num_pages, generator=gen, device="cuda").to(torch.int32)
+    indptr = [0]
+    for n_pages in pages_per:
+        indptr.append(indptr[-1] + n_pages)
+    layer = cache.layer(0)
+    for b, (n, p) in enumerate(reqs):
+        pages = perm[indptr[b]:indptr[b + 1]].long()
+        tok = torch.arange(n + p, device="cuda")
+        mpfa.append_kv(ks[b], vs[b], layer, pages[tok // PAGE] * PAGE + tok % PAGE)
+    qo_indptr = torch.tensor([0] + list(torch.tensor([n for n, _ in reqs]).cumsum(0)), dtype=torch.int32,
+                             device="cuda")
+    kv_indptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
+    last = torch.tensor([(n + p - 1) % PAGE + 1 for n, p in reqs], dtype=torch.int32, device="cuda")
+    w = mpfa.BatchPrefillWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(qo_indptr, kv_indptr, perm[: indptr[-1]], last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
+           recipe=case["recipe"], compensation=bool(case["compensation"]))
+    q = torch.cat(qs)
+    out = torch.empty_like(q)
+    return ctx.bench(lambda: w.run(q, layer, out=out))
+
+
+def _flashinfer(case, ctx, gen):
+    import torch
+    from benchmarks.suites import Skip
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise Skip(f"flashinfer not importable: {e}")
+    qs, ks, vs = _inputs(case["requests"], gen)
+    kw = {"causal": True, "backend": "fa3"}
+    if case["recipe"] == "fa3-fp8":   # pre-quantized inputs, per-head scales, as its API takes them
+        ones_q = torch.ones(QO_HEADS, device="cuda")
+        ones_kv = torch.ones(KV_HEADS, device="cuda")
+        qs = [x.to(torch.float8_e4m3fn) for x in qs]
+        ks = [x.to(torch.float8_e4m3fn) for x in ks]
+        vs = [x.to(torch.float8_e4m3fn) for x in vs]
+        kw.update(scale_q=ones_q, scale_k=ones_kv, scale_v=ones_kv, o_dtype=torch.bfloat16)
+
+    def fn():
+        for q, k, v in zip(qs, ks, vs):
+            flashinfer.single_prefill_with_kv_cache(q, k, v, **kw)
+    return ctx.bench(fn)
+
+
+def _cudnn(case, ctx, gen):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from benchmarks.suites import Skip
+    if any(p for _, p in case["requests"]):
+        # SDPA's is_causal aligns top-left; an explicit bottom-right mask leaves cuDNN's fast path.
+        raise Skip("chunked extend: SDPA's causal mask is top-left aligned (DESIGN.md section 7)")
+    qs, ks, vs = _inputs(case["requests"], gen)
+    qs = [q.transpose(0, 1).unsqueeze(0) for q in qs]
+    ks = [k.transpose(0, 1).unsqueeze(0) for k in ks]
+    vs = [v.transpose(0, 1).unsqueeze(0) for v in vs]
+
+    def fn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            for q, k, v in zip(qs, ks, vs):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return ctx.bench(fn)
+
+
+def run_case(case: dict, ctx) -> dict:
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(ctx.seed + 17)
+    impl = {"mpfa": _mpfa, "flashinfer": _flashinfer, "cudnn": _cudnn}[case["impl"]]
+    try:
+        timing = impl(case, ctx, gen)
+    finally:
+        torch.cuda.empty_cache()
+    row = {k: v for k, v in case.items() if k != "requests"}
+    return {**row, "requests": [list(r) for r in case["requests"]], "status": "ok", **timing.as_row()}
+
+
+def _tflops(row):
+    return row["flops"] / (row["ms"] * 1e-3) / 1e12
+
+
+def _fp8_tflops(rows):
+    for r in rows:
+        if r.get("kind") == "ceiling" and r.get("name") == "fp8_mma" and r.get("status", "ok") == "ok":
+            return r["flops"] / (r["ms"] * 1e-3) / 1e12
+    return None
+
+
+def _ok(rows):
+    return [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+
+
+def annotate(rows: list[dict]) -> list[dict]:
+    ceiling = _fp8_tflops(rows)
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r.get("kind") == "kernel" and r.get("status") == "ok":
+            r["tflops"] = _tflops(r)
+            r["fp8_fraction"] = r["tflops"] / ceiling if ceiling else None
+        out.append(r)
+    return out
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarize(rows: list[dict]) -> dict:
+    from benchmarks.stats import max_spread
+    ok = _ok(rows)
+
+    def ms(impl, recipe, shape, comp=None):
+        for r in ok:
+            if (r["impl"], r["recipe"], r["shape"]) == (impl, recipe, shape) and \
+                    (comp is None or r.get("compensation") == comp):
+                return r["ms"]
+        return None
+
+    def speedups(recipe, peer_impl, peer, comp=True):
+        out = []
+        for name, _ in SHAPES:
+            mine, theirs = ms("mpfa", recipe, name, comp if recipe != "bf16" else None), ms(peer_impl, peer, name)
+            if mine and theirs:
+                out.append(theirs / mine)
+        return out
+
+    on = [ms("mpfa", "qk4pv8", n, True) for n, _ in SHAPES]
+    off = [ms("mpfa", "qk4pv8", n, False) for n, _ in SHAPES]
+    overhead = _geomean([a / b for a, b in zip(on, off) if a and b])
+    return {
+        "fp8_mma_tflops": _fp8_tflops(rows),
+        "speedup_vs_flashinfer_fa3_fp8": {r: _geomean(speedups(r, "flashinfer", "fa3-fp8")) for r in ("qk4pv8", "qk8pv8")},
+        "speedup_vs_cudnn_bf16": {r: _geomean(speedups(r, "cudnn", "cudnn-bf16")) for r in ("qk4pv8", "qk8pv8")},
+        "bf16_speedup_vs_flashinfer_fa3_bf16": _geomean(speedups("bf16", "flashinfer", "fa3-bf16")),
+        "compensation_overhead": overhead - 1 if overhead else None,
+        "compensation_error_removed": None,   # an accuracy figure: benchmarks/results/accuracy.json
+        "max_spread": max_spread(rows),
+        "errors": sum(1 for r in rows if r.get("status") == "error"),
+        "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
+    }
+
+
+def plot(result: dict, out_dir: Path) -> list[Path]:
+    """TFLOP/s per shape for every implementation, with the same-run FP8 MMA ceiling."""
+    from benchmarks import plots
+    ok = [r for r in _ok(result["rows"]) if r.get("compensation") in (None, True)]
+    if not ok:
+        return []
+    shapes = [n for n, _ in SHAPES if any(r["shape"] == n for r in ok)]
+    series = {}
+    for r in ok:
+        series.setdefault(f"{r['impl']} {r['recipe']}", {})[r["shape"]] = _tflops(r)
+    ceiling = _fp8_tflops(result["rows"])
+    path = plots.bar(shapes, {k: [v.get(s) for s in shapes] for k, v in series.items()},
+                     Path(out_dir) / f"{RESULT}.png", title="causal prefill, head_dim 128, 32/8 heads",
+                     ylabel="TFLOP/s (unmasked pairs)", hlines={"FP8 MMA ceiling": ceiling} if ceiling else None)
+    return [path]
