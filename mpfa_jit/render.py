@@ -12,19 +12,15 @@ from .errors import UnknownKernelError
 
 @functools.lru_cache(maxsize=None)
 def templates_dir() -> Path:
-    """templates/ as installed (package data mpfa_jit/templates), or beside mpfa_jit in a checkout."""
+    """templates/ as installed: the package data mpfa_jit.templates (pyproject.toml maps it)."""
     try:
-        installed = Path(str(resources.files("mpfa_jit.templates")))
-        if (installed / "include").is_dir():
-            return installed
-    except (ModuleNotFoundError, TypeError):
-        pass
-    here = Path(__file__).resolve().parent
-    for cand in (here / "templates", here.parent / "templates"):
-        if (cand / "include").is_dir():
-            return cand
-    raise FileNotFoundError("mpfa_jit: the kernel templates are missing from this install (expected "
-                            "package data mpfa_jit/templates); reinstall mpfa")
+        found = Path(str(resources.files("mpfa_jit.templates")))
+    except ModuleNotFoundError:
+        found = None
+    if found is None or not (found / "include").is_dir():
+        raise FileNotFoundError("mpfa_jit: the kernel templates are missing from this install (expected the "
+                                "package data mpfa_jit.templates); reinstall mpfa with pip")
+    return found
 
 
 def include_dir() -> Path:

@@ -232,3 +232,14 @@ def test_wheel_ships_the_templates(tmp_path):
     assert "mpfa_jit/templates/append_kv.cu.jinja" in names
     assert "mpfa_jit/templates/include/mpfa/quant.cuh" in names
     assert "mpfa/recipes/fp4.py" in names and "mpfa_jit/ops/append_kv.py" in names
+
+
+def test_tests_import_the_installed_package():
+    """The suite runs against the installed distribution (pip install -e . or a wheel), not a source
+    tree that happens to be on sys.path: python/ is never on it, and the version matches."""
+    import importlib.metadata as md
+    import mpfa
+    assert md.version("mpfa") == mpfa.__version__
+    assert not any(os.path.abspath(p).endswith(os.sep + "python") for p in sys.path)
+    from importlib import resources
+    assert (resources.files("mpfa_jit.templates") / "append_kv.cu.jinja").is_file()
