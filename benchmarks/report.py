@@ -141,6 +141,11 @@ def render_section(results_dir: Path | str, readme_dir: Path | str) -> str:
         png = path.with_suffix(".png")
         rel = Path(os.path.relpath(png, readme_dir)).as_posix() if png.exists() else None
         parts.append(render_result(path.stem, results_io.read(path), image_rel=rel))
+    roof = Path(results_dir) / "roofline_h200.png"
+    if roof.exists():
+        rel = Path(os.path.relpath(roof, readme_dir)).as_posix()
+        parts.append(f"### Roofline\n\nEvery kernel above against the FP8 MMA and HBM read ceilings measured in "
+                     f"its run (`python -m benchmarks.roofline`).\n\n![roofline]({rel})")
     return "\n\n".join(parts)
 
 

@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"WARNING {mod.NAME}: max spread between repeats {spread:.1%} > "
                   f"{SPREAD_LIMIT:.0%}: differences below that are noise", file=sys.stderr)
 
+    if not args.no_plots:
+        from benchmarks import roofline
+        path = roofline.draw(args.out)
+        if path:
+            print(f"wrote {path}")
     if not args.no_readme and args.out.resolve() == results_io.RESULTS_DIR.resolve():
         report.main(["--results", str(args.out)])
     if failed:

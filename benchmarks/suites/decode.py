@@ -152,7 +152,7 @@ def run_case(case: dict, ctx) -> dict:
     tokens = case["batch"] * case["context"]
     qo = 2 * case["batch"] * QO_HEADS * HEAD_DIM * 2   # read q, write o (bf16)
     return {**case, **extra, "status": "ok", "bytes": tokens * KV_HEADS * extra["bytes_per_token_head"] + qo,
-            **timing.as_row()}
+            "flops": 4 * tokens * QO_HEADS * HEAD_DIM, **timing.as_row()}
 
 
 def _gbps(row):
@@ -215,6 +215,13 @@ def summarize(rows: list[dict]) -> dict:
         "errors": sum(1 for r in rows if r.get("status") == "error"),
         "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
     }
+
+
+def roofline_points(result: dict) -> list[tuple]:
+    """mpfa at the headline shape, per recipe, and the peers there (page 16)."""
+    b, c, p = HEADLINE
+    return [(f"decode {r['impl']} {r['recipe']}", r["flops"], r["bytes"], r["ms"] * 1e-3) for r in _ok(result["rows"])
+            if (r["batch"], r["context"], r["page_size"]) == (b, c, p) and "flops" in r]
 
 
 def plot(result: dict, out_dir: Path) -> list[Path]:

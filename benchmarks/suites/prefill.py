@@ -153,7 +153,20 @@ def run_case(case: dict, ctx) -> dict:
     finally:
         torch.cuda.empty_cache()
     row = {k: v for k, v in case.items() if k != "requests"}
-    return {**row, "requests": [list(r) for r in case["requests"]], "status": "ok", **timing.as_row()}
+    return {**row, "requests": [list(r) for r in case["requests"]], "status": "ok", "bytes": _bytes(case),
+            **timing.as_row()}
+
+
+# K/V bytes per token and KV head as each implementation reads them (mpfa: its cache format).
+KV_BYTES = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fa3-fp8": 256, "fa3-bf16": 512, "cudnn-bf16": 512}
+
+
+def _bytes(case) -> int:
+    """The fewest HBM bytes: Q read and O written once (bf16; FP8 Q for fa3-fp8), K/V read once."""
+    q_bytes = 1 if case["recipe"] == "fa3-fp8" else 2
+    rows = sum(n for n, _ in case["requests"])
+    keys = sum(n + p for n, p in case["requests"])
+    return rows * QO_HEADS * HEAD_DIM * (q_bytes + 2) + keys * KV_HEADS * KV_BYTES[case["recipe"]]
 
 
 def _tflops(row):
@@ -221,6 +234,12 @@ def summarize(rows: list[dict]) -> dict:
         "errors": sum(1 for r in rows if r.get("status") == "error"),
         "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
     }
+
+
+def roofline_points(result: dict) -> list[tuple]:
+    """Every implementation at 32K (compensation on)."""
+    return [(f"prefill {r['impl']} {r['recipe']}", r["flops"], r["bytes"], r["ms"] * 1e-3) for r in _ok(result["rows"])
+            if r["shape"] == "32K" and r.get("compensation") in (None, True) and "bytes" in r]
 
 
 def plot(result: dict, out_dir: Path) -> list[Path]:

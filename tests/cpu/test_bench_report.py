@@ -393,3 +393,29 @@ def test_committed_readme_matches_committed_results():
     summary is what its suite computes from the rows."""
     assert report.main(["--check", "--results", str(REPO / "benchmarks" / "results"),
                         "--readme", str(REPO / "README.md")]) == 0
+
+
+def test_roofline_points_come_from_decode_and_prefill_results(tmp_path):
+    from benchmarks import roofline
+    from benchmarks.suites import decode, prefill
+    ceil = [_ceiling("hbm_read", 1.0, bytes_=4_000_000_000), _ceiling("fp8_mma", 1.0, flops=1_000_000_000_000)]
+    dec = {"id": "mpfa/qk4pv8/b32/ctx32768/page16", "kind": "kernel", "impl": "mpfa", "recipe": "qk4pv8",
+           "batch": 32, "context": 32768, "page_size": 16, "status": "ok", "ms": 0.5, "bytes": 2_000_000_000,
+           "flops": 4 * 32 * 32768 * 32 * 128}
+    off = dict(dec, id="mpfa/qk4pv8/b8/ctx131072/page16", batch=8, context=131072)   # not the headline shape
+    pre = {"id": "mpfa/qk4pv8/32K/comp1", "kind": "kernel", "impl": "mpfa", "recipe": "qk4pv8", "shape": "32K",
+           "compensation": True, "status": "ok", "ms": 100.0, "flops": 10**14, "bytes": 10**9}
+    results_io.write(decode.RESULT, dict(META, suite="decode"), {}, ceil + [dec, off], tmp_path)
+    results_io.write(prefill.RESULT, dict(META, suite="prefill"), {}, ceil + [pre], tmp_path)
+    points, fp8, hbm = roofline.collect(tmp_path)
+    assert sorted(p[0] for p in points) == ["decode mpfa qk4pv8", "prefill mpfa qk4pv8"]
+    assert fp8 == pytest.approx(1000.0) and hbm == pytest.approx(4000.0)
+    assert ("prefill mpfa qk4pv8", 10**14, 10**9, pytest.approx(0.1)) in points
+
+
+def test_prefill_flops_count_unmasked_pairs_bottom_right():
+    from benchmarks.suites import prefill
+    assert prefill.pairs([(4, 0)]) == 10                      # 1 + 2 + 3 + 4
+    assert prefill.pairs([(2, 3)]) == 2 * 3 + 3              # rows see 4 and 5 keys
+    case = {c["id"]: c for c in prefill.cases(False)}["mpfa/qk4pv8/extend 8K over 56K/comp1"]
+    assert case["flops"] == 4 * 128 * 32 * (8192 * 57344 + 8192 * 8193 // 2)

@@ -1,0 +1,44 @@
+"""Launch each kernel of interest a few times at one shape, for `ncu` to profile (no timing here).
+
+    ncu --clock-control none --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
+        python -m benchmarks.profile_kernels decode qk4pv8
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import mpfa
+
+QO, KV, D = 32, 8, 128
+
+
+def decode(recipe: str, batch: int = 32, context: int = 32768, page_size: int = 16, launches: int = 3):
+    from benchmarks.suites.decode import _fill_mpfa, _page_table
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_pages, indptr, indices, last = _page_table(batch, context, page_size, "cuda", gen)
+    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=KV,
+                              head_dim=D)
+    _fill_mpfa(cache, gen)
+    w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, QO, KV, D, page_size, recipe=recipe)
+    q = torch.randn(batch, QO, D, device="cuda").to(torch.bfloat16)
+    for _ in range(launches):
+        w.run(q, cache.layer(0))
+    torch.cuda.synchronize()
+
+
+def append(recipe: str, tokens: int = 32768, page_size: int = 16, launches: int = 3):
+    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=tokens // page_size + 1, page_size=page_size,
+                              num_kv_heads=KV, head_dim=D)
+    k = torch.randn(tokens, KV, D, device="cuda").to(torch.bfloat16)
+    v = torch.randn(tokens, KV, D, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(tokens, device="cuda")
+    for _ in range(launches):
+        mpfa.append_kv(k, v, cache.layer(0), slots)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    {"decode": decode, "append": append}[sys.argv[1]](sys.argv[2])
