@@ -1,0 +1,207 @@
+"""``MpfaAttnBackend``: SGLang's ``AttentionBackend`` over mpfa's append, prefill and decode wrappers.
+
+Per batch (``init_forward_metadata``): the page table is built on the GPU from SGLang's
+``req_to_token`` (slot // page_size, see page_table.py) and the extend or decode wrapper is planned once;
+every layer then appends its new K/V into the compressed pool at ``forward_batch.out_cache_loc``
+(a layer's first extend batch fixes its mu_K / V scales) and runs the planned wrapper.
+
+CUDA graphs (decode; SGLang 0.5.17's contract in base_attn_backend.py): ``init_cuda_graph_state``
+allocates capture-stable page-table buffers; ``init_forward_metadata_out_graph(fb, in_capture)`` runs
+outside the graph at capture and before every replay: it rebuilds the page table with fixed-shape GPU
+ops and re-plans that batch size's decode wrapper with the split count fixed at capture, which writes
+the new table into the buffers the captured kernels read. ``init_forward_metadata_in_graph`` is a no-op.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from ..decode import BatchDecodeWrapper, choose_num_splits
+from ..prefill import BatchPrefillWrapper
+from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
+from .page_table import build_page_table, page_table_capacity
+from .plugin import attn_tp_size, sglang_attr, sglang_version
+
+logger = logging.getLogger(__name__)
+
+AttentionBackend = sglang_attr("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend")
+
+WORKSPACE_BYTES = 128 << 20
+
+
+def _attn_type_value(layer) -> str:
+    t = getattr(layer, "attn_type", None)
+    return getattr(t, "value", t) or "decoder"
+
+
+def _mode_is(mode, name: str) -> bool:
+    fn = getattr(mode, name, None)   # ForwardMode predicates differ across SGLang versions
+    return bool(fn()) if fn is not None else False
+
+
+class MpfaAttnBackend(AttentionBackend):
+    """``--attention-backend mpfa``."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        from .pool import MpfaTokenToKVPool
+        sa, mc = model_runner.server_args, model_runner.model_config
+        self.settings = resolve_settings(server_page_size=model_runner.page_size)
+        tp = attn_tp_size()
+        self.num_qo_heads = mc.num_attention_heads // tp
+        self.num_kv_heads = mc.get_num_kv_heads(tp)
+        self.head_dim = mc.head_dim
+        arch = ",".join(getattr(mc.hf_config, "architectures", None) or ["?"])
+        check_model_supported(
+            head_dim=mc.head_dim, v_head_dim=getattr(mc, "v_head_dim", mc.head_dim), num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads, page_size=self.settings.page_size, recipe=self.settings.recipe,
+            use_mla=bool(model_runner.use_mla_backend), sliding_window=model_runner.sliding_window_size,
+            logit_cap=float(getattr(mc.hf_config, "attn_logit_softcapping", None) or 0.0),
+            is_encoder_decoder=bool(getattr(mc, "is_encoder_decoder", False)), what=f"model ({arch})")
+        if getattr(sa, "speculative_algorithm", None):
+            raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} does not support speculative decoding "
+                                        f"(--speculative-algorithm {sa.speculative_algorithm})")
+        if getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16:
+            raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} serves bfloat16 models; this one runs in "
+                                        f"{mc.dtype}: pass --dtype bfloat16")
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, MpfaTokenToKVPool):
+            raise UnsupportedModelError(
+                f"--attention-backend {BACKEND_NAME} needs mpfa's KV pool, but SGLang {sglang_version()} built "
+                f"{type(pool).__name__}: the plugin's hook on KVCacheConfigurator._build_mha_kv_pool did not apply "
+                "(is the mpfa plugin loaded in the scheduler process? SGLANG_PLUGINS must include mpfa if set), or "
+                "this model uses a pool family mpfa does not serve")
+        self.pool, self.cache = pool, pool.cache
+        self.page_size = self.settings.page_size
+        self.recipe = self.settings.recipe
+        self.device = self.cache.device
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.max_pages_per_req = -(-self.req_to_token.shape[1] // self.page_size)
+        self.max_context_len = mc.context_len
+        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+        kb = self.settings.kernel_backend
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = BatchPrefillWrapper(self.workspace, backend=kb)
+        self.decode_wrapper = BatchDecodeWrapper(self.workspace, backend=kb)
+        self._active = None            # the wrapper this batch's layers run
+        self._graph = None             # CUDA-graph buffers (init_cuda_graph_state)
+        self._graph_decode = {}        # batch size -> (wrapper, num_splits)
+        self._checked_layers = set()
+        logger.info("mpfa backend: recipe %s, compensation %s, page size %d, %d query / %d KV heads, head_dim %d "
+                    "(settings from %s)", self.recipe, self.settings.compensation, self.page_size, self.num_qo_heads,
+                    self.num_kv_heads, self.head_dim, self.settings.sources)
+
+    # --- per-batch planning -------------------------------------------------------------------------------------
+    def _max_pages(self, forward_batch) -> int:
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        if lens is not None and len(lens):
+            return max(1, -(-int(lens.max()) // self.page_size))
+        return self.max_pages_per_req
+
+    def _page_table(self, forward_batch):
+        width = self._max_pages(forward_batch)
+        bs = forward_batch.batch_size
+        indices = torch.empty(page_table_capacity(bs, width), dtype=torch.int32, device=self.device)
+        return build_page_table(self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs],
+                                self.page_size, width, indices_out=indices)
+
+    def init_forward_metadata(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self._active = None
+            return
+        if any(_mode_is(mode, m) for m in ("is_target_verify", "is_draft_extend", "is_draft_extend_v2")):
+            raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} does not support speculative decoding")
+        indptr, indices, last = self._page_table(forward_batch)
+        if mode.is_decode():
+            self.decode_wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe)
+            self._active = self.decode_wrapper
+        else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
+            bs = forward_batch.batch_size
+            lens = forward_batch.extend_seq_lens_cpu
+            qo = torch.zeros(bs + 1, dtype=torch.int32)
+            qo[1:] = torch.cumsum(torch.as_tensor(list(lens), dtype=torch.int32), 0)
+            self.prefill_wrapper.plan(qo.to(self.device, non_blocking=True), indptr, indices, last, self.num_qo_heads,
+                                      self.num_kv_heads, self.head_dim, self.page_size, causal=True,
+                                      sm_scale=self.sm_scale, recipe=self.recipe,
+                                      compensation=self.settings.compensation)
+            self._active = self.prefill_wrapper
+
+    # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+        cap = page_table_capacity(max_bs, self.max_pages_per_req, self.cache.num_pages)
+        self._graph = dict(
+            indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            last=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            indices=torch.zeros(cap, dtype=torch.int32, device=self.device))
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if self._graph is None:
+            raise RuntimeError("mpfa: init_forward_metadata_out_graph before init_cuda_graph_state")
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} captures CUDA graphs for decode only, "
+                                        f"got forward mode {mode}: launch with --disable-prefill-cuda-graph")
+        bs, g = forward_batch.batch_size, self._graph
+        indptr, indices, last = build_page_table(
+            self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], self.page_size,
+            self.max_pages_per_req, indptr_out=g["indptr"][: bs + 1], indices_out=g["indices"],
+            last_page_len_out=g["last"][:bs])
+        entry = self._graph_decode.get(bs)
+        if entry is None:   # one wrapper per batch size: every graph of that size reads its buffers
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            splits = choose_num_splits(bs, self.num_kv_heads, self.max_context_len, sms)
+            entry = (BatchDecodeWrapper(self.workspace, backend=self.settings.kernel_backend), splits)
+            self._graph_decode[bs] = entry
+        wrapper, splits = entry
+        wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                     sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits)
+        self._active = wrapper
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        pass   # the page table is rebuilt outside the graph (out_graph) and read from capture-stable buffers
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def _check_layer(self, layer):
+        if layer.layer_id in self._checked_layers:
+            return
+        check_model_supported(
+            head_dim=layer.head_dim, v_head_dim=layer.v_head_dim, num_qo_heads=layer.tp_q_head_num,
+            num_kv_heads=layer.tp_k_head_num, page_size=self.page_size, recipe=self.recipe,
+            sliding_window=getattr(layer, "sliding_window_size", -1), logit_cap=getattr(layer, "logit_cap", 0.0),
+            is_cross_attention=bool(getattr(layer, "is_cross_attention", False)), attn_type=_attn_type_value(layer),
+            what=f"layer {layer.layer_id}")
+        if (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim) != (self.num_qo_heads, self.num_kv_heads,
+                                                                          self.head_dim):
+            raise UnsupportedModelError(
+                f"layer {layer.layer_id} has {layer.tp_q_head_num} query / {layer.tp_k_head_num} KV heads of dim "
+                f"{layer.head_dim}; the plan has {self.num_qo_heads} / {self.num_kv_heads} / {self.head_dim}")
+        if abs(layer.scaling - self.sm_scale) > 1e-6 * self.sm_scale:
+            raise UnsupportedModelError(f"layer {layer.layer_id} scales scores by {layer.scaling}, not "
+                                        f"1/sqrt(head_dim) = {self.sm_scale}: mpfa plans one scale for all layers")
+        self._checked_layers.add(layer.layer_id)
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache, calibrate):
+        self._check_layer(layer)
+        if self._active is None:
+            raise RuntimeError("mpfa: forward before init_forward_metadata")
+        if save_kv_cache:
+            if k is None or v is None:
+                raise UnsupportedModelError(f"layer {layer.layer_id} passes no K/V to attention (KV sharing across "
+                                            "layers is not supported by --attention-backend mpfa)")
+            self.pool.append(layer.layer_id, k, v, forward_batch.out_cache_loc, calibrate=calibrate)
+        q3 = q.reshape(-1, self.num_qo_heads, self.head_dim)
+        o = self._active.run(q3 if q3.dtype == torch.bfloat16 else q3.to(torch.bfloat16), self.pool.layer_view(layer.layer_id))
+        return o.reshape(-1, self.num_qo_heads * self.head_dim)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, calibrate=True)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, calibrate=False)

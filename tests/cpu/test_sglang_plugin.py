@@ -1,0 +1,328 @@
+"""The SGLang plugin on the CPU, without SGLang and without mocks of it: the installed entry point, the
+settings precedence, the launch command, the unsupported-model checks, the page-table builder, and the
+names the plugin imports against what SGLang 0.5.17 / 0.5.23 define (recorded from their sources in
+python/mpfa/sglang/sglang_api.json). What needs the real ``sglang.srt`` is skipped with the reason."""
+import importlib.metadata
+import importlib.util
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpfa.sglang import config as C
+from mpfa.sglang.page_table import build_page_table, page_table_capacity
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "server_configs"
+DEFAULT = CONFIGS / "llama-3.1-8b-qk4pv8.yaml"
+API = json.loads((ROOT / "python/mpfa/sglang/sglang_api.json").read_text())
+
+
+def _plugin_source():
+    """plugin.py's name lists, read without importing SGLang (the module imports it only in register())."""
+    spec = importlib.util.find_spec("mpfa.sglang.plugin")
+    assert spec is not None
+    import mpfa.sglang.plugin as plugin
+    return plugin
+
+
+# --- entry point -------------------------------------------------------------------------------------------------
+
+def test_entry_point_installed():
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    mine = [ep for ep in eps if ep.name == "mpfa"]
+    assert mine, ("no 'mpfa' entry point in group sglang.srt.plugins: run `pip install -e .` "
+                  f"(found {[ep.name for ep in eps]})")
+    assert mine[0].value == "mpfa.sglang.plugin:register"
+    assert mine[0].dist is not None and mine[0].dist.name == "mpfa"
+    fn = mine[0].load()          # importing the plugin module must not need SGLang
+    assert callable(fn) and fn.__name__ == "register"
+
+
+def test_plugin_module_does_not_import_sglang():
+    import sys
+    import mpfa.sglang.plugin  # noqa: F401
+    import mpfa.sglang.config  # noqa: F401
+    import mpfa.sglang.launch  # noqa: F401
+    if importlib.util.find_spec("sglang") is None:
+        assert "sglang" not in sys.modules
+
+
+# --- static compatibility: the names we use exist in 0.5.17 and 0.5.23 -------------------------------------------
+
+def _recorded():
+    return {(e["module"], e["name"]): e for e in API["names"]}
+
+
+def test_every_sglang_name_is_recorded_for_both_versions():
+    plugin = _plugin_source()
+    rec = _recorded()
+    used = list(plugin.SGLANG_NAMES) + list(plugin.RUNTIME_NAMES)
+    used += [(t.rsplit(".", 2)[0], ".".join(t.rsplit(".", 2)[1:])) for t in plugin.HOOK_TARGETS]
+    for key in used:
+        assert key in rec, f"{key} is used by the plugin but not recorded in sglang_api.json"
+        for version in ("0.5.17", "0.5.23"):
+            where = rec[key][version]
+            assert where, f"{key[0]}.{key[1]} is not defined in SGLang {version}"
+            assert where["file"].startswith("python/sglang/") and where["line"] > 0
+
+
+def test_registration_names_are_the_design_ones():
+    # DESIGN.md section 6: only these names are needed to register (0.5.23 still exports them).
+    plugin = _plugin_source()
+    assert ("sglang.srt.server_args", "add_attention_backend_choices") in plugin.SGLANG_NAMES
+    assert ("sglang.srt.layers.attention.attention_registry", "register_attention_backend") in plugin.SGLANG_NAMES
+    assert plugin.ENTRY_POINT_GROUP == "sglang.srt.plugins"
+    rec = _recorded()
+    assert rec[("sglang.srt.plugins", "GENERAL_PLUGINS_GROUP")]["0.5.23"]["text"].endswith('"sglang.srt.plugins"')
+
+
+def test_cuda_graph_contract_is_0_5_17s():
+    plugin = _plugin_source()
+    rec = _recorded()
+    for name in plugin.GRAPH_METHODS:
+        assert rec[("sglang.srt.layers.attention.base_attn_backend", f"AttentionBackend.{name}")]["0.5.17"]
+
+
+def test_missing_sglang_name_is_a_clear_error():
+    plugin = _plugin_source()
+    with pytest.raises(plugin.SGLangCompatError, match=r"mpfa_no_such_module.*SGLang .*tested with SGLang 0\.5\.17"):
+        plugin.sglang_attr("mpfa_no_such_module", "x")
+    with pytest.raises(plugin.SGLangCompatError, match=r"json\.no_such_name.*SGLang"):
+        plugin.sglang_attr("json", "no_such_name")
+
+
+class _Args:
+    def __init__(self, attention_backend=None, prefill=None, decode=None):
+        self.attention_backend, self.prefill_attention_backend, self.decode_attention_backend = \
+            attention_backend, prefill, decode
+
+
+def test_mpfa_selected():
+    plugin = _plugin_source()
+    assert plugin.mpfa_selected(_Args("mpfa"))
+    assert not plugin.mpfa_selected(_Args("flashinfer"))
+    assert plugin.mpfa_selected(_Args("flashinfer", "mpfa", "mpfa"))
+    with pytest.raises(C.MpfaConfigError, match="both be mpfa"):
+        plugin.mpfa_selected(_Args("mpfa", prefill="flashinfer"))
+
+
+# --- settings precedence -----------------------------------------------------------------------------------------
+
+def test_defaults():
+    s = C.resolve_settings(server_page_size=16, env={})
+    assert (s.recipe, s.compensation, s.page_size, s.kernel_backend) == ("qk4pv8", True, 16, "auto")
+    assert s.sources["page_size"] == "sglang --page-size" and s.sources["recipe"] == "default"
+
+
+def test_env_overrides_yaml_overrides_default(tmp_path):
+    y = {"recipe": "qk8pv8", "compensation": False, "page_size": 16}
+    s = C.resolve_settings(server_page_size=16, env={}, yaml_section=y)
+    assert (s.recipe, s.compensation) == ("qk8pv8", False) and s.sources["recipe"] == "yaml"
+    s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": "bf16", "MPFA_COMPENSATION": "on"}, yaml_section=y)
+    assert (s.recipe, s.compensation) == ("bf16", True) and s.sources["recipe"] == "env MPFA_RECIPE"
+    # MPFA_CONFIG names the YAML the scheduler processes read
+    s = C.resolve_settings(server_page_size=16, env={"MPFA_CONFIG": str(CONFIGS / "llama-3.1-8b-qk8pv8.yaml")})
+    assert s.recipe == "qk8pv8" and s.sources["recipe"].startswith("yaml ")
+    s = C.resolve_settings(server_page_size=16, env={"MPFA_CONFIG": str(DEFAULT), "MPFA_RECIPE": "bf16"})
+    assert s.recipe == "bf16"
+    s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": ""}, yaml_section=y)   # empty = unset
+    assert s.recipe == "qk8pv8"
+
+
+def test_page_size_must_match_sglang():
+    assert C.resolve_settings(server_page_size=32, env={"MPFA_PAGE_SIZE": "32"}).page_size == 32
+    with pytest.raises(C.MpfaConfigError, match=r"page size 16 \(from env MPFA_PAGE_SIZE\) differs from SGLang's --page-size 32"):
+        C.resolve_settings(server_page_size=32, env={"MPFA_PAGE_SIZE": "16"})
+    with pytest.raises(C.MpfaConfigError, match=r"SGLang --page-size.*one of \[1, 16, 32, 64\], got 8"):
+        C.resolve_settings(server_page_size=8, env={})
+    with pytest.raises(C.MpfaConfigError, match="no page size"):
+        C.resolve_settings(env={})
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"MPFA_RECIPE": "fp4"}, r"MPFA_RECIPE must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
+    ({"MPFA_COMPENSATION": "maybe"}, r"MPFA_COMPENSATION must be a boolean"),
+    ({"MPFA_PAGE_SIZE": "sixteen"}, r"MPFA_PAGE_SIZE must be one of"),
+    ({"MPFA_KERNEL_BACKEND": "cuda"}, r"MPFA_KERNEL_BACKEND must be one of \['auto', 'reference'\]"),
+    ({"MPFA_CONFIG": "/nonexistent/x.yaml"}, r"no such server config file"),
+])
+def test_bad_settings(env, match):
+    with pytest.raises(C.MpfaConfigError, match=match):
+        C.resolve_settings(server_page_size=16, env=env)
+
+
+def test_yaml_unknown_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model: m\nmpfa: {recipe: qk4pv8, recipie: bf16}\n")
+    with pytest.raises(C.MpfaConfigError, match=r"unknown keys in the mpfa section: \['recipie'\]"):
+        C.read_yaml_mpfa_section(p)
+
+
+def test_cell_size():
+    # bytes per token per layer = num_kv_heads * recipe.bytes_per_token_head(head_dim)
+    for recipe, per_head in (("bf16", 512), ("qk8pv8", 260), ("qk4pv8", 204)):
+        s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": recipe})
+        assert s.bytes_per_token_layer(8, 128) == 8 * per_head
+
+
+# --- launch command ----------------------------------------------------------------------------------------------
+
+def test_launch_command_default_config():
+    plan = C.build_launch(DEFAULT, env={}, python="python")
+    a = plan.argv
+    assert a[:3] == ["python", "-m", "sglang.launch_server"]
+    assert a[a.index("--model-path") + 1] == str((CONFIGS / "models/llama-3.1-8b").resolve())
+    assert Path(a[a.index("--model-path") + 1]).is_absolute()
+    assert a[a.index("--attention-backend") + 1] == "mpfa" and a.count("--attention-backend") == 1
+    assert a[a.index("--page-size") + 1] == "16" and a.count("--page-size") == 1
+    assert a[a.index("--load-format") + 1] == "dummy"
+    assert "--skip-tokenizer-init" in a and "--disable-prefill-cuda-graph" in a
+    assert a[a.index("--context-length") + 1] == "131072"
+    assert plan.env == {"MPFA_CONFIG": str(DEFAULT.resolve()), "MPFA_RECIPE": "qk4pv8", "MPFA_COMPENSATION": "1",
+                        "MPFA_PAGE_SIZE": "16", "MPFA_KERNEL_BACKEND": "auto", "HF_HUB_OFFLINE": "1"}
+    assert shlex.split(plan.shell())[-len(a):] == a
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_server_config_launches(path):
+    plan = C.build_launch(path, env={})
+    assert plan.settings.recipe == plan.config.recipe and plan.settings.page_size == plan.config.page_size
+
+
+def test_launch_env_precedence_and_extra_args():
+    plan = C.build_launch(DEFAULT, env={"MPFA_RECIPE": "bf16", "MPFA_PAGE_SIZE": "32", "SGLANG_PLUGINS": "other"},
+                          extra_args=["--port", "30001"])
+    assert plan.env["MPFA_RECIPE"] == "bf16" and plan.env["MPFA_PAGE_SIZE"] == "32"
+    assert plan.argv[plan.argv.index("--page-size") + 1] == "32"
+    assert plan.argv[-2:] == ["--port", "30001"]
+    assert plan.env["SGLANG_PLUGINS"] == "other,mpfa"
+
+
+def test_launch_rejects_other_backend(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m/config.json").write_text((CONFIGS / "models/llama-3.1-8b/config.json").read_text())
+    p = tmp_path / "c.yaml"
+    p.write_text("model: m\nsglang: {attention-backend: flashinfer, page-size: 16}\nmpfa: {recipe: bf16}\n")
+    with pytest.raises(C.MpfaConfigError, match="serves --attention-backend mpfa"):
+        C.build_launch(p, env={})
+    p.write_text("model: m\nsglang: {page-size: 16, disable-prefill-cuda-graph: false}\n")
+    assert "--disable-prefill-cuda-graph" not in C.build_launch(p, env={}).argv   # the YAML's choice wins
+
+
+def test_launch_cli_print(capsys):
+    from mpfa.sglang.launch import main
+    assert main([str(DEFAULT), "--print", "--", "--port", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "MPFA_RECIPE=qk4pv8" in out and "-m sglang.launch_server" in out and out.strip().endswith("--port 3")
+    assert main(["/nonexistent.yaml", "--print"]) == 2
+
+
+def test_sglang_args():
+    assert C.sglang_args({"a-b": 1, "c_d": True, "e": False, "f": None, "g": [1, 2]}) == \
+        ["--a-b", "1", "--c-d", "--g", "1", "2"]
+
+
+# --- unsupported models (pure functions) -------------------------------------------------------------------------
+
+OK = dict(head_dim=128, num_qo_heads=32, num_kv_heads=8, page_size=16, recipe="qk4pv8")
+
+
+def test_supported_shapes():
+    C.check_model_supported(**OK)
+    C.check_model_supported(**{**OK, "head_dim": 64, "num_qo_heads": 9, "num_kv_heads": 3})   # SmolLM2
+    C.check_model_supported(**{**OK, "sliding_window": -1, "logit_cap": 0.0, "attn_type": "decoder"})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"head_dim": 256}, r"head_dim 256 is not supported: the decode kernel is built for head_dim \[64, 128\]"),
+    ({"head_dim": 96}, r"head_dim 96"),
+    ({"sliding_window": 4096}, r"sliding-window attention \(window 4096\)"),
+    ({"logit_cap": 50.0}, r"attention logit soft cap \(50.0\)"),
+    ({"use_mla": True}, r"multi-head latent attention"),
+    ({"is_cross_attention": True}, r"cross attention"),
+    ({"is_encoder_decoder": True}, r"cross attention"),
+    ({"attn_type": "encoder_only"}, r"attention type 'encoder_only'"),
+    ({"hybrid": "Mamba"}, r"hybrid architecture \(Mamba\)"),
+    ({"v_head_dim": 64}, r"V head_dim 64 differs"),
+    ({"num_qo_heads": 12}, r"num_qo_heads 12 must be a positive multiple of num_kv_heads 8"),
+    ({"num_qo_heads": 80}, r"GQA group size 10"),
+    ({"page_size": 8}, r"page size 8"),
+    ({"recipe": "fp4"}, r"recipe 'fp4'"),
+])
+def test_unsupported(change, match):
+    with pytest.raises(C.UnsupportedModelError, match="--attention-backend mpfa cannot serve this model: " + match):
+        C.check_model_supported(**{**OK, **change})
+
+
+def test_hf_configs():
+    llama = json.loads((CONFIGS / "models/llama-3.1-8b/config.json").read_text())
+    qwen = json.loads((CONFIGS / "models/qwen3-14b/config.json").read_text())
+    assert C.check_hf_config(llama, page_size=16, recipe="qk4pv8")["num_kv_heads"] == 8
+    assert C.check_hf_config(qwen, page_size=16, recipe="qk4pv8")["num_qo_heads"] == 40
+    assert C.check_hf_config(llama, page_size=16, recipe="bf16", tp_size=2)["num_kv_heads"] == 4
+    mistral = {**llama, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    with pytest.raises(C.UnsupportedModelError, match=r"model \(MistralForCausalLM\).*sliding-window"):
+        C.check_hf_config(mistral, page_size=16, recipe="qk4pv8")
+    gemma2 = {**llama, "architectures": ["Gemma2ForCausalLM"], "head_dim": 256, "attn_logit_softcapping": 50.0}
+    with pytest.raises(C.UnsupportedModelError, match="Gemma2ForCausalLM"):
+        C.check_hf_config(gemma2, page_size=16, recipe="qk4pv8")
+    deepseek = {**llama, "kv_lora_rank": 512}
+    with pytest.raises(C.UnsupportedModelError, match="latent attention"):
+        C.check_hf_config(deepseek, page_size=16, recipe="qk4pv8")
+
+
+# --- page table from req_to_token ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_table(page_size):
+    gen = torch.Generator().manual_seed(0)
+    num_pages, width_tokens = 64, 20 * page_size
+    r2t = torch.zeros(6, width_tokens + 3, dtype=torch.int32)
+    perm = torch.randperm(num_pages - 1, generator=gen) + 1          # page 0 is SGLang's padding page
+    lens = [1, page_size * 3, page_size * 2 + 1 if page_size > 1 else 7, 0, 5]
+    req_idx = [4, 1, 2, 0, 3]
+    used, expect = 0, []
+    for r, n in zip(req_idx, lens):
+        pages = perm[used: used + -(-n // page_size)].tolist()
+        used += len(pages)
+        expect.append(pages)
+        for t in range(n):
+            r2t[r, t] = pages[t // page_size] * page_size + t % page_size
+    max_pages = -(-r2t.shape[1] // page_size)
+    indptr, indices, last = build_page_table(r2t, torch.tensor(req_idx), torch.tensor(lens), page_size, max_pages)
+    assert indices.numel() == page_table_capacity(len(lens), max_pages)
+    assert indptr.tolist() == [0] + torch.cumsum(torch.tensor([len(p) for p in expect]), 0).tolist()
+    for b, pages in enumerate(expect):
+        assert indices[indptr[b]: indptr[b + 1]].tolist() == pages
+        n = lens[b]
+        assert last[b] == (0 if n == 0 else n - (len(pages) - 1) * page_size)
+    # static-shape reuse (the CUDA-graph path): fixed buffers, a smaller batch, stale entries overwritten
+    cap = page_table_capacity(8, max_pages, num_pages)
+    bufs = dict(indptr_out=torch.full((9,), -7, dtype=torch.int32), indices_out=torch.full((cap,), -7, dtype=torch.int32),
+                last_page_len_out=torch.full((8,), -7, dtype=torch.int32))
+    i2, x2, l2 = build_page_table(r2t, torch.tensor(req_idx[:2]), torch.tensor(lens[:2]), page_size, max_pages,
+                                  indptr_out=bufs["indptr_out"][:3], indices_out=bufs["indices_out"],
+                                  last_page_len_out=bufs["last_page_len_out"][:2])
+    assert x2.data_ptr() == bufs["indices_out"].data_ptr()
+    assert x2[: int(i2[-1])].tolist() == expect[0] + expect[1]
+    assert bufs["indptr_out"][3:].tolist() == [-7] * 6
+
+
+# --- what needs SGLang ---------------------------------------------------------------------------------------------
+
+def test_register_with_real_sglang():
+    pytest.importorskip("sglang.srt", reason="SGLang is not installed here (CI cannot install its CUDA stack); "
+                                             "tests/gpu/test_sglang_gpu.py runs it on the H200")
+    from sglang.srt import server_args
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    import mpfa.sglang.plugin as plugin
+    plugin.register()
+    plugin.register()   # idempotent
+    assert server_args.ATTENTION_BACKEND_CHOICES.count("mpfa") == 1
+    assert attention_registry.ATTENTION_BACKENDS["mpfa"] is plugin.create_backend
+    for target in plugin.HOOK_TARGETS:
+        assert sum(1 for _, h, _ in HookRegistry._hooks[target] if h.__module__ == plugin.__name__) == 1
