@@ -1,0 +1,108 @@
+"""The prefill kernel's host side without a GPU: specs, the tile schedule, workspace sizing, the
+template's rendering, and nvcc builds for sm_90a with a SASS check (QGMMA for the FP8 recipes,
+HGMMA for bf16, cp.async, nothing spilled)."""
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+import mpfa_jit
+from mpfa.prefill import Q_TILE, BatchPrefillWrapper, tile_schedule, workspace_bytes
+from mpfa_jit import UnknownKernelError, env
+from mpfa_jit.ops import prefill as prefill_op
+from mpfa_jit.render import render
+
+ARCH = "sm_90a"
+
+
+def test_q_tile_matches_the_kernel():
+    src = render("prefill.cu.jinja", {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16, "arch": ARCH})
+    assert f"constexpr int kBM = {Q_TILE};" in src
+
+
+def test_specs_and_unsupported_shapes():
+    s = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH)
+    assert s.key == "prefill_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a"
+    for bad in (dict(head_dim=256), dict(page_size=8), dict(recipe="fp4")):
+        kw = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH) | bad
+        with pytest.raises(UnknownKernelError):
+            prefill_op.spec(**kw)
+    assert len(prefill_op.server_specs(num_qo_heads=32, num_kv_heads=8, head_dim=128, recipe="qk4pv8",
+                                       page_size=16, arch=ARCH)) == 1
+    assert prefill_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8",
+                                   page_size=16, arch=ARCH) == []
+    assert prefill_op in mpfa_jit.ops.OPS
+    assert not prefill_op.supported(recipe="bf16", head_dim=128, page_size=16, group_size=9)
+
+
+def test_render_substitutes_parameters():
+    src = render("prefill.cu.jinja", {"recipe": "qk8pv8", "head_dim": 64, "page_size": 32, "arch": ARCH})
+    assert "constexpr int kRecipe = 1;" in src and "constexpr int kPageSize = 32;" in src
+    assert "constexpr int kHeadDim = 64;" in src
+
+
+def test_tile_schedule_covers_every_row_once_longest_first():
+    qo = [1, 128, 129, 300, 0]
+    kv = [10, 128, 1000, 300, 5]
+    for causal in (True, False):
+        tiles = tile_schedule(qo, kv, causal)
+        assert sorted(tiles) == sorted((b, t) for b, n in enumerate(qo) for t in range(-(-n // Q_TILE)))
+
+        def work(bt):
+            b, t = bt
+            last = min(qo[b], (t + 1) * Q_TILE)
+            return min(kv[b], last + kv[b] - qo[b]) if causal else kv[b]
+        ws = [work(x) for x in tiles]
+        assert ws == sorted(ws, reverse=True)
+    assert tile_schedule([], [], True) == []
+
+
+def test_workspace_bytes():
+    assert workspace_bytes(4, 32, 128, 1000, False) == 0
+    n = workspace_bytes(4, 32, 128, 1000, True)
+    assert n >= 4 * 32 * 128 * 4 + 32 * 1000 * 4 and n % 256 == 0
+
+
+def test_plan_on_cpu_needs_reference_backend():
+    indptr, indices, last = torch.tensor([0, 2]), torch.tensor([1, 0]), torch.tensor([5])
+    qo = torch.tensor([0, 7])
+    w = BatchPrefillWrapper(torch.empty(1024, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="reference"):
+        w.plan(qo, indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8")
+    w = BatchPrefillWrapper(torch.empty(1024, dtype=torch.uint8), backend="reference")
+    w.plan(qo, indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8")
+    assert w.backend == "reference"
+
+
+def _sass_tools():
+    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+    return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("recipe,head_dim,page_size,mma", [
+    ("qk4pv8", 128, 16, "QGMMA.64x128x32.F32.E4M3.E4M3"), ("qk8pv8", 128, 1, "QGMMA.64x128x32.F32.E4M3.E4M3"),
+    ("bf16", 128, 64, "HGMMA.64x64x16.F32.BF16"), ("qk4pv8", 64, 32, "QGMMA.64x128x32.F32.E4M3.E4M3")])
+def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache):
+    cuobjdump, tool_env = _sass_tools()
+    spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=ARCH)
+    uri, built, _ = mpfa_jit.build_only(spec)
+    assert built and mpfa_jit.Store(jit_cache).check(uri) == "ok"
+    lib = str(mpfa_jit.Store(jit_cache).library(uri))
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
+                           env=tool_env).stdout
+    for fn in ("prefill_kernel", "compensation_kernel", "q_mean_kernel"):
+        part = usage[usage.index(fn):]
+        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", part)
+        assert m and m.group(2) == "0" and m.group(3) == "0", part[:300]
+    sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
+    assert sass.returncode == 0, sass.stderr
+    assert mma in sass.stdout                                        # QK on the tensor cores (wgmma)
+    pv = "QGMMA.64x64x32.F32.E4M3.E4M3" if recipe != "bf16" else f"HGMMA.64x{head_dim}x16.F32.BF16"
+    assert pv in sass.stdout                                         # PV on the tensor cores, P from registers
+    assert "LDGSTS" in sass.stdout                                   # cp.async of the paged K/V
+    assert "LDL" not in sass.stdout and "STL" not in sass.stdout     # nothing spilled

@@ -1,0 +1,191 @@
+"""The batch-prefill kernel (wgmma) on the GPU: every built recipe against the fp64 exact attention on
+the dequantized cache and against ``recipe_attention`` (the same Q/P quantization), over ragged batches
+whose cached prefixes are not page-aligned and whose chunks cross page boundaries, permuted pages,
+GQA groups 1/3/4/5/8, outlier channels in Q (large mean) and K, NaN-poisoned outputs and NaN-poisoned
+cache slots past each request's length, causal and not, compensation on and off, LSE.
+
+Tolerances:
+* against exact fp64: rel-L2(kernel) <= max(1.5 * rel-L2(recipe_attention), 2e-3) per request.
+* against recipe_attention (same Q bytes, same K/V): the kernel quantizes P = exp2(s - m_running)
+  with the running maximum of the tiles seen so far, the reference with the row's final maximum,
+  so P's e4m3 rounding points differ (each within E4M3's 2^-4 relative step) - a difference of
+  the order of the recipe's own P-rounding error, not more; plus bf16 output rounding (~1e-3) and
+  fp32-vs-fp64 accumulation. Bound: rel-L2 <= max(1.0 * rel-L2(recipe vs exact), 4e-3).
+* LSE (natural log) against recipe_attention's (same quantized scores; l from unquantized p):
+  atol 2e-3 + rtol 1e-4.
+"""
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import mpfa
+from mpfa.reference import gather_pages
+from mpfa.reference.attention import attention, recipe_attention
+
+pytestmark = [pytest.mark.gpu]
+
+RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+WORKSPACE = 128 << 20
+
+
+def _rows(n, heads, d, gen, scale=1.0, mean_channel=3):
+    """bf16 rows with outlier channels: one with a large mean, one with a large spread."""
+    x = torch.randn(n, heads, d, generator=gen, device="cuda") * scale
+    x[..., mean_channel] = x[..., mean_channel] * 20 + 40
+    x[..., d // 2 + 1] *= 30
+    return x.to(torch.bfloat16)
+
+
+def _requests(page_size):
+    """(prefix, chunk) per request: prefixes not page-aligned, chunks crossing pages and Q tiles,
+    a request with no prefix, one with an empty chunk, one-token chunks."""
+    p = page_size
+    return [(0, 1), (3 * p + 5, 200), (37, 128), (300, 77), (0, 260), (p + 1, 0), (1000, 129), (5, 1)]
+
+
+def _make_batch(recipe, head_dim, page_size, num_kv_heads, requests, gen, extra_pages=5):
+    lengths = [a + b for a, b in requests]
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per) + extra_pages
+    cache = mpfa.PagedKVCache(recipe, num_layers=2, num_pages=num_pages, page_size=page_size,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, device="cuda")
+    n_slots = num_pages * page_size
+    k = _rows(n_slots, num_kv_heads, head_dim, gen, mean_channel=5)
+    v = _rows(n_slots, num_kv_heads, head_dim, gen)
+    cache.calibrate(1, k[:256], v[:256])
+    layer = cache.layer(1)
+    mpfa.append_kv(k, v, layer, torch.arange(n_slots, device="cuda"))
+    perm = torch.randperm(num_pages, generator=gen, device="cuda")
+    indices = perm[: sum(pages_per)].to(torch.int32)
+    indptr = torch.tensor([0] + list(itertools.accumulate(pages_per)), dtype=torch.int32, device="cuda")
+    last = torch.tensor([n - (k - 1) * page_size if k else 0 for n, k in zip(lengths, pages_per)],
+                        dtype=torch.int32, device="cuda")
+    # Slots past each request's length in its last page hold NaN bytes: the kernel must not use them.
+    for b, n in enumerate(lengths):
+        if pages_per[b] == 0:
+            continue
+        page = int(indices[int(indptr[b + 1]) - 1])
+        off = n - (pages_per[b] - 1) * page_size
+        for t in layer.fields.values():
+            t[page, :, off:].view(torch.uint8).fill_(0xFF)
+    qo = torch.tensor([0] + list(itertools.accumulate(c for _, c in requests)), dtype=torch.int32, device="cuda")
+    return layer, qo, indptr, indices, last, lengths
+
+
+def _references(q, qo, layer, indptr, indices, lengths, *, recipe, causal, compensation, sm_scale=None):
+    kd, vd = layer.dequantize(dtype=torch.float64)
+    exact, quant = [], []
+    for b, n in enumerate(lengths):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        ids = indices[int(indptr[b]):int(indptr[b + 1])]
+        kb, vb = gather_pages(kd, ids, n), gather_pages(vd, ids, n)
+        exact.append(attention(q[rows], kb, vb, causal=causal, sm_scale=sm_scale))
+        quant.append(recipe_attention(q[rows], kb, vb, recipe=recipe, causal=causal, sm_scale=sm_scale,
+                                      compensation=compensation, q_tile=128))
+    return exact, quant
+
+
+def _rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _check(o, lse, qo, exact, quant, label):
+    assert torch.isfinite(o).all(), f"{label}: output has non-finite elements (unwritten row or NaN read)"
+    for b in range(len(exact)):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        (o_x, _), (o_r, lse_r) = exact[b], quant[b]
+        err, err_ref = _rel_l2(o[rows], o_x), _rel_l2(o_r, o_x)
+        assert err <= max(1.5 * err_ref, 2e-3), f"{label} request {b}: rel-L2 {err:.2e} vs reference's {err_ref:.2e}"
+        direct = _rel_l2(o[rows], o_r)
+        assert direct <= max(err_ref, 4e-3), f"{label} request {b}: rel-L2 to recipe_attention {direct:.2e}"
+        if lse is not None:
+            assert torch.isfinite(lse[rows]).all()
+            assert torch.allclose(lse[rows].double(), lse_r, atol=2e-3, rtol=1e-4), \
+                f"{label} request {b}: LSE max diff {(lse[rows].double() - lse_r).abs().max().item():.2e}"
+
+
+CASES = ([(128, p, 4) for p in (1, 16, 32, 64)] + [(128, 16, g) for g in (1, 3, 5, 8)]
+         + [(64, p, g) for p, g in ((1, 4), (16, 1), (64, 8))])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("head_dim,page_size,group", CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_matches_references(recipe, head_dim, page_size, group, causal, shared_jit_cache):
+    gen = torch.Generator(device="cuda").manual_seed(
+        zlib.crc32(f"{recipe}-{head_dim}-{page_size}-{group}-{causal}".encode()))
+    hkv = 2
+    requests = _requests(page_size)
+    layer, qo, indptr, indices, last, lengths = _make_batch(recipe, head_dim, page_size, hkv, requests, gen)
+    q = _rows(int(qo[-1]), hkv * group, head_dim, gen)
+    for compensation in ((True, False) if recipe != "bf16" else (True,)):
+        w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=causal, recipe=recipe,
+               compensation=compensation)
+        assert w.backend == "cuda"
+        out = torch.full_like(q, float("nan"))
+        o, lse = w.run(q, layer, out=out, return_lse=True)
+        assert o.data_ptr() == out.data_ptr()
+        torch.cuda.synchronize()
+        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=causal,
+                                   compensation=compensation)
+        _check(o, lse, qo, exact, quant, f"compensation={compensation}")
+
+
+@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+def test_compensation_helps_on_q_with_a_large_mean(recipe, shared_jit_cache):
+    """Q with a large common mean on every channel: Q smoothing + compensation must not be worse
+    than plain per-tile quantization (the design's point); both stay within the reference bound."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    hkv, group, d, p = 2, 4, 128, 16
+    requests = [(500, 384), (64, 300)]
+    layer, qo, indptr, indices, last, lengths = _make_batch(recipe, d, p, hkv, requests, gen)
+    q = (torch.randn(int(qo[-1]), hkv * group, d, generator=gen, device="cuda") * 0.5
+         + 6 * torch.randn(1, hkv * group, d, generator=gen, device="cuda")).to(torch.bfloat16)
+    errs = {}
+    for compensation in (True, False):
+        w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(qo, indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, compensation=compensation)
+        o = w.run(q, layer)
+        torch.cuda.synchronize()
+        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
+                                   compensation=compensation)
+        _check(o, None, qo, exact, quant, f"compensation={compensation}")
+        errs[compensation] = sum(_rel_l2(o[int(qo[b]):int(qo[b + 1])], exact[b][0]) for b in range(len(lengths)))
+    assert errs[True] <= errs[False] * 1.05, errs
+
+
+def test_sm_scale_and_default_out(shared_jit_cache):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hkv, group, d, p = 2, 2, 128, 32
+    requests = [(100, 150), (0, 33)]
+    for recipe in RECIPES:
+        layer, qo, indptr, indices, last, lengths = _make_batch(recipe, d, p, hkv, requests, gen)
+        q = _rows(int(qo[-1]), hkv * group, d, gen)
+        w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(qo, indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, sm_scale=0.03)
+        o, lse = w.run(q, layer, return_lse=True)
+        torch.cuda.synchronize()
+        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
+                                   compensation=True, sm_scale=0.03)
+        _check(o, lse, qo, exact, quant, recipe)
+
+
+def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
+    from mpfa_jit import UnknownKernelError
+    qo = torch.tensor([0, 4], dtype=torch.int32, device="cuda")
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([0], dtype=torch.int32, device="cuda")
+    last = torch.tensor([9], dtype=torch.int32, device="cuda")
+    w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(UnknownKernelError):
+        w.plan(qo, indptr, idx, last, 32, 2, 128, 16, recipe="qk4pv8")    # group 16
+    with pytest.raises(UnknownKernelError):
+        w.plan(qo, indptr, idx, last, 8, 2, 256, 16, recipe="qk4pv8")     # head_dim 256
+    w = mpfa.BatchPrefillWrapper(torch.empty(64, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(ValueError, match="workspace_buffer"):
+        w.plan(qo, indptr, idx, last, 8, 2, 128, 16, recipe="qk4pv8")
