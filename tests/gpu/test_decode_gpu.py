@@ -99,6 +99,23 @@ def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, share
     _check(o, lse, o_ref, lse_ref)
 
 
+@pytest.mark.parametrize("recipe,group", list(itertools.product(RECIPES, (2, 6, 7))))
+def test_decode_remaining_group_sizes(recipe, group, shared_jit_cache):
+    # Query heads are the N = 8 columns of the swapped MMAs: every group size maps heads to lanes
+    # (2c, 2c + 1) differently; the parametrization above covers 1, 3, 4, 5, 8.
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"groups-{recipe}-{group}".encode()))
+    hkv, head_dim, page_size = 2, 128, 16
+    lengths = _lengths(page_size)
+    cache, layer, indptr, indices, last = _make_batch(recipe, head_dim, page_size, hkv, lengths, gen)
+    q = _rows(len(lengths), hkv * group, head_dim, gen)
+    w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, hkv * group, hkv, head_dim, page_size, recipe=recipe)
+    o, lse = w.run(q, layer, return_lse=True)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
+    _check(o, lse, o_ref, lse_ref)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_forced_num_splits_agree(recipe, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(3)
