@@ -5,7 +5,10 @@ GQA groups 1/3/4/5/8, outlier channels in Q (large mean) and K, NaN-poisoned out
 cache slots past each request's length, causal and not, compensation on and off, LSE.
 
 Tolerances:
-* against exact fp64: rel-L2(kernel) <= max(1.5 * rel-L2(recipe_attention), 2e-3) per request.
+* against exact fp64: rel-L2(kernel) <= 1.5 * rel-L2(recipe_attention) + 1.5 * rel-L2(bf16(exact))
+  per request: the recipe's own error plus rounding the exact answer to the bf16 output (bf16 keeps
+  8 significant bits: up to 2^-8 = 3.9e-3 per element, ~2e-3 rel-L2; a one-key row, whose recipe
+  error is 0, measured 2.2e-3 on the H200).
 * against recipe_attention (same Q bytes, same K/V): the kernel quantizes P = exp2(s - m_running)
   with the running maximum of the tiles seen so far, the reference with the row's final maximum,
   so P's e4m3 rounding points differ (each within E4M3's 2^-4 relative step) - a difference of
@@ -99,7 +102,9 @@ def _check(o, lse, qo, exact, quant, label):
             continue
         (o_x, _), (o_r, lse_r) = exact[b], quant[b]
         err, err_ref = _rel_l2(o[rows], o_x), _rel_l2(o_r, o_x)
-        assert err <= max(1.5 * err_ref, 2e-3), f"{label} request {b}: rel-L2 {err:.2e} vs reference's {err_ref:.2e}"
+        err_out = _rel_l2(o_x.to(torch.bfloat16), o_x)   # rounding the exact answer to the output format
+        assert err <= 1.5 * err_ref + 1.5 * err_out, \
+            f"{label} request {b}: rel-L2 {err:.2e} vs reference's {err_ref:.2e} (+ bf16 output rounding {err_out:.2e})"
         direct = _rel_l2(o[rows], o_r)
         assert direct <= max(err_ref, 4e-3), f"{label} request {b}: rel-L2 to recipe_attention {direct:.2e}"
         if lse is not None:
