@@ -21,7 +21,7 @@ rows = warmup(s, 16, False)
 bad = [r for r in rows if r[1] == "FAILED"]
 print(f"{len(rows) - len(bad)} of {len(rows)} kernels built", *[f"\n{r[0]}: {r[3][-600:]}" for r in bad[:3]])
 PY
-python3 -m pytest ${1:-tests/gpu} -q -p no:cacheprovider --maxfail=8 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+python3 -m pytest ${1:-tests/gpu} -q -p no:cacheprovider --tb=line 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 if [ -n "${2:-}" ]; then
   python3 -m benchmarks.run --suites "$2" --no-readme ${3:-} 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |^Summary|FAILED|Error" | tail -60
   cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null
