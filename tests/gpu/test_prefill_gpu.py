@@ -14,8 +14,11 @@ Tolerances:
   so P's e4m3 rounding points differ (each within E4M3's 2^-4 relative step) - a difference of
   the order of the recipe's own P-rounding error, not more; plus bf16 output rounding (~1e-3) and
   fp32-vs-fp64 accumulation. Bound: rel-L2 <= max(1.0 * rel-L2(recipe vs exact), 4e-3).
-* LSE (natural log) against recipe_attention's (same quantized scores; l from unquantized p):
-  atol 2e-3 + rtol 1e-4.
+* LSE (natural log) against the exact one: max |LSE - LSE_exact| <= 1.5 * max |LSE_recipe -
+  LSE_exact| + 2e-3 per request. (A direct atol against recipe_attention cannot hold for quantized Q:
+  the kernel's mu_Q and tile amax are FP32 sums in another order, so a few FP8 roundings of Q - mu_Q
+  flip, and with outlier channels one flip moves a logit by ~|q_d k_d| / 16; the H200 showed LSE
+  differences of 0.1-0.6 on logits of ~100-500 while every output passed.)
 """
 import itertools
 import zlib
@@ -112,10 +115,11 @@ def _check(o, lse, qo, exact, quant, label):
         rows = slice(int(qo[b]), int(qo[b + 1]))
         if lse is None or rows.stop == rows.start:
             continue
-        lse_r = quant[b][1]
+        lse_x, lse_r = exact[b][1], quant[b][1]
         assert torch.isfinite(lse[rows]).all()
-        assert torch.allclose(lse[rows].double(), lse_r, atol=2e-3, rtol=1e-4), \
-            f"{label} request {b}: LSE max diff {(lse[rows].double() - lse_r).abs().max().item():.2e}"
+        err = (lse[rows].double() - lse_x).abs().max().item()
+        err_ref = (lse_r - lse_x).abs().max().item()
+        assert err <= 1.5 * err_ref + 2e-3, f"{label} request {b}: LSE max error {err:.2e} vs the recipe's {err_ref:.2e}"
 
 
 CASES = ([(128, p, 4) for p in (1, 16, 32, 64)] + [(128, 16, g) for g in (1, 3, 5, 8)]
