@@ -52,3 +52,14 @@ def shared_jit_cache(tmp_path_factory):
         os.environ.pop("MPFA_CACHE_DIR", None)
     else:
         os.environ["MPFA_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def sass_tools():
+    """(cuobjdump, env with nvdisasm on PATH) to read the SASS of built kernels; skips where missing."""
+    import os
+    from mpfa_jit import env
+    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+    return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}

@@ -125,7 +125,6 @@ def _flashinfer(case, ctx, gen):
 
 
 def _cudnn(case, ctx, gen):
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from benchmarks.suites import Skip

@@ -1,16 +1,14 @@
 """The decode kernel's host side without a GPU: the split heuristic, workspace sizing, specs, and
 nvcc builds of the decode template for sm_90a (SASS: tensor-core MMAs, cp.async, nothing spilled)."""
-import os
 import re
 import subprocess
 
 import pytest
 import torch
 
-import mpfa
 import mpfa_jit
 from mpfa.decode import MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, workspace_bytes
-from mpfa_jit import UnknownKernelError, env
+from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import decode as decode_op
 from mpfa_jit.render import render
 
@@ -89,13 +87,6 @@ def test_plan_validates_on_cpu_reference():
         w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=0)
 
 
-def _sass_tools():
-    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
-    if not cuobjdump or not nvdisasm:
-        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
-    return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
-
-
 @pytest.mark.nvcc
 @pytest.mark.parametrize("recipe,head_dim,page_size,group", [("qk4pv8", 128, 16, 4), ("bf16", 64, 1, 1),
                                                              ("qk8pv8", 128, 32, 8), ("qk4pv8", 64, 64, 5)])
@@ -106,8 +97,8 @@ def test_decode_template_compiles(recipe, head_dim, page_size, group, jit_cache)
 
 
 @pytest.mark.nvcc
-def test_decode_sass_has_mma_and_no_spills(jit_cache):
-    cuobjdump, tool_env = _sass_tools()
+def test_decode_sass_has_mma_and_no_spills(jit_cache, sass_tools):
+    cuobjdump, tool_env = sass_tools
     spec = decode_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, group_size=4, arch=ARCH)
     uri, _, _ = mpfa_jit.build_only(spec)
     lib = str(mpfa_jit.Store(jit_cache).library(uri))

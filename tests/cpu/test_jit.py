@@ -171,11 +171,8 @@ def test_compile_error_reports_the_log_and_publishes_nothing(jit_cache):
 
 
 @pytest.mark.nvcc
-def test_sass_has_fp8_conversion_and_no_spills(jit_cache):
-    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
-    if not cuobjdump or not nvdisasm:
-        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
-    tool_env = {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
+def test_sass_has_fp8_conversion_and_no_spills(jit_cache, sass_tools):
+    cuobjdump, tool_env = sass_tools
     m = mpfa_jit.get_kernel(_spec("qk4pv8", 128, 16))
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(m.path)], capture_output=True, text=True,
                            env=tool_env).stdout

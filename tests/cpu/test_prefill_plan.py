@@ -1,7 +1,6 @@
 """The prefill kernel's host side without a GPU: specs, the tile schedule, workspace sizing, the
 template's rendering, and nvcc builds for sm_90a with a SASS check (QGMMA for the FP8 recipes,
 HGMMA for bf16, cp.async, nothing spilled)."""
-import os
 import re
 import subprocess
 
@@ -10,7 +9,7 @@ import torch
 
 import mpfa_jit
 from mpfa.prefill import Q_TILE, BatchPrefillWrapper, tile_schedule, workspace_bytes
-from mpfa_jit import UnknownKernelError, env
+from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import prefill as prefill_op
 from mpfa_jit.render import render
 
@@ -76,19 +75,12 @@ def test_plan_on_cpu_needs_reference_backend():
     assert w.backend == "reference"
 
 
-def _sass_tools():
-    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
-    if not cuobjdump or not nvdisasm:
-        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
-    return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
-
-
 @pytest.mark.nvcc
 @pytest.mark.parametrize("recipe,head_dim,page_size,mma", [
     ("qk4pv8", 128, 16, "QGMMA.64x128x32.F32.E4M3.E4M3"), ("qk8pv8", 128, 1, "QGMMA.64x128x32.F32.E4M3.E4M3"),
     ("bf16", 128, 64, "HGMMA.64x64x16.F32.BF16"), ("qk4pv8", 64, 32, "QGMMA.64x128x32.F32.E4M3.E4M3")])
-def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache):
-    cuobjdump, tool_env = _sass_tools()
+def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache, sass_tools):
+    cuobjdump, tool_env = sass_tools
     spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=ARCH)
     uri, built, _ = mpfa_jit.build_only(spec)
     assert built and mpfa_jit.Store(jit_cache).check(uri) == "ok"

@@ -229,7 +229,6 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, shared_jit_cache):
     eager = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     q = _rows(batch, hkv * group, d, gen)
     out = torch.empty_like(q)
-    lse = torch.empty(batch, hkv * group, dtype=torch.float32, device="cuda")
     w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
     w.run(q, layer, out=out)                     # load and configure the kernel before capture
     torch.cuda.synchronize()
