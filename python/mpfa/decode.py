@@ -145,6 +145,35 @@ class BatchDecodeWrapper:
             plan.update(num_splits=num_splits, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
         self._plan = plan
 
+    def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) -> None:
+        """Refresh the planned batch's page table without synchronizing the host (CUDA-graph decode).
+
+        Same batch size as the last ``plan``; the tables are device tensors (e.g. built on the GPU from a
+        server's slot table) and are copied into the buffers the kernel reads, on the current stream.
+        Only their shapes are checked: the values are trusted, as validating them would read them back.
+        On the reference backend this plans again (the reference reads host-validated tables).
+        """
+        if self._plan is None:
+            raise RuntimeError("BatchDecodeWrapper.update_page_table called before plan")
+        p = self._plan
+        if self.backend != "cuda":
+            self.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, p["num_qo_heads"], p["num_kv_heads"],
+                      p["head_dim"], p["page_size"], sm_scale=p["sm_scale"], recipe=p["recipe"].name)
+            return
+        buf = self._buffers
+        batch = buf["batch"]
+        index = (torch.int32, torch.int64)
+        device = buf["indices"].device
+        check_tensor("paged_kv_indptr", paged_kv_indptr, dtypes=index, shape=(batch + 1,), device=device)
+        check_tensor("paged_kv_indices", paged_kv_indices, dtypes=index, ndim=1, device=device)
+        check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, dtypes=index, shape=(batch,), device=device)
+        if paged_kv_indices.numel() > buf["indices"].numel():
+            raise ValueError(f"paged_kv_indices has {paged_kv_indices.numel()} entries; the plan's buffer holds "
+                             f"{buf['indices'].numel()}: plan again with the larger table")
+        buf["indptr"].copy_(paged_kv_indptr, non_blocking=True)
+        buf["indices"][: paged_kv_indices.numel()].copy_(paged_kv_indices, non_blocking=True)
+        buf["last_page_len"].copy_(paged_kv_last_page_len, non_blocking=True)
+
     @property
     def num_splits(self) -> int | None:
         """KV splits of the current plan (kernel path), None on the reference path."""

@@ -115,3 +115,22 @@ def test_decode_sass_has_mma_and_no_spills(jit_cache, sass_tools):
     assert "LDGSTS" in sass.stdout                                # cp.async into shared memory
     assert "LDS.128" in sass.stdout                               # 16-byte shared reads of K/V
     assert "LDL" not in sass.stdout and "STL" not in sass.stdout  # nothing spilled
+
+
+def test_update_page_table_on_the_reference_path_matches_a_new_plan():
+    import mpfa
+    gen = torch.Generator().manual_seed(3)
+    cache = mpfa.PagedKVCache("qk8pv8", num_layers=1, num_pages=12, page_size=16, num_kv_heads=2, head_dim=64,
+                              device="cpu")
+    layer = cache.layer(0)
+    k = torch.randn(192, 2, 64, generator=gen).to(torch.bfloat16)
+    mpfa.append_kv(k, k.flip(0), layer, torch.arange(192), backend="reference")
+    q = torch.randn(2, 8, 64, generator=gen).to(torch.bfloat16)
+    w = BatchDecodeWrapper(torch.empty(1024, dtype=torch.uint8), backend="reference")
+    w.plan(torch.tensor([0, 1, 3]), torch.tensor([4, 0, 7]), torch.tensor([5, 16]), 8, 2, 64, 16, recipe="qk8pv8")
+    w.update_page_table(torch.tensor([0, 2, 3]), torch.tensor([4, 5, 7]), torch.tensor([3, 9]))
+    fresh = BatchDecodeWrapper(torch.empty(1024, dtype=torch.uint8), backend="reference")
+    fresh.plan(torch.tensor([0, 2, 3]), torch.tensor([4, 5, 7]), torch.tensor([3, 9]), 8, 2, 64, 16, recipe="qk8pv8")
+    assert torch.equal(w.run(q, layer), fresh.run(q, layer))
+    with pytest.raises(RuntimeError, match="before plan"):
+        BatchDecodeWrapper(torch.empty(8, dtype=torch.uint8)).update_page_table(None, None, None)

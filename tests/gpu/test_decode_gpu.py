@@ -189,10 +189,12 @@ def test_large_query_and_empty_request(shared_jit_cache):
         _check(o[[0, 2]], lse[[0, 2]], o_ref, lse_ref)
 
 
+@pytest.mark.parametrize("refresh", ["plan", "update_page_table"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_cuda_graph_replay_with_growing_lengths(recipe, shared_jit_cache):
+def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cache):
     """Capture run once; then for 50 steps append a token per request, update the page table in
-    place, re-plan (same num_splits: same buffers) and replay. Each replay equals an eager run."""
+    place, refresh the wrapper (re-plan with the same num_splits, or update_page_table without a host
+    sync) and replay. Each replay equals an eager run."""
     gen = torch.Generator(device="cuda").manual_seed(17)
     hkv, group, d, p, steps, splits = 2, 4, 128, 16, 50, 3
     start = [1, 15, 16, 63, 300]
@@ -241,7 +243,10 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, shared_jit_cache):
             lengths[b] += 1
         update_tables()
         q.copy_(_rows(batch, hkv * group, d, gen))
-        w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+        if refresh == "plan":
+            w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+        else:
+            w.update_page_table(indptr, indices, last)
         graph.replay()
         eager.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
         o_e, lse_e = eager.run(q, layer, return_lse=True)

@@ -153,15 +153,17 @@ class MpfaAttnBackend(AttentionBackend):
             self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], self.page_size,
             self.max_pages_per_req, indptr_out=g["indptr"][: bs + 1], indices_out=g["indices"],
             last_page_len_out=g["last"][:bs])
-        entry = self._graph_decode.get(bs)
-        if entry is None:   # one wrapper per batch size: every graph of that size reads its buffers
+        wrapper = self._graph_decode.get(bs)
+        if wrapper is None:   # one wrapper per batch size: every graph of that size reads its buffers
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             splits = choose_num_splits(bs, self.num_kv_heads, self.max_context_len, sms)
-            entry = (BatchDecodeWrapper(self.workspace, backend=self.settings.kernel_backend), splits)
-            self._graph_decode[bs] = entry
-        wrapper, splits = entry
-        wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                     sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits)
+            wrapper = BatchDecodeWrapper(self.workspace, backend=self.settings.kernel_backend)
+            # Planned once per batch size with the full-size index table; replays only refresh the table.
+            wrapper.plan(indptr, g["indices"], last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                         self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits)
+            self._graph_decode[bs] = wrapper
+        else:
+            wrapper.update_page_table(indptr, g["indices"], last)   # no host synchronization per step
         self._active = wrapper
 
     def init_forward_metadata_in_graph(self, forward_batch):
