@@ -1,0 +1,467 @@
+"""Error budget of ``qk4pv8`` (CPU study): which quantization step costs what, and which 4-bit K
+format would cost less.
+
+    python -m benchmarks.accuracy.error_budget [--contexts 1024 2048] [--q-len 256] [--out /tmp/mpfa-error-budget]
+                                               [--no-model] [--no-synthetic] [--data-dir DIR]
+
+Inputs: Q/K/V after RoPE of every layer of SmolLM2-135M on KJV text (:func:`.model.capture`; the last
+``q_len`` tokens of a ``context`` as queries, causal), and the synthetic ``gaussian`` / ``outlier``
+inputs of :mod:`.kernel`. Each configuration quantizes some operands and keeps the others exact; its
+attention output is compared with float64 exact attention on the unquantized bf16 inputs
+(:mod:`mpfa.reference`), accumulated over every layer and head (rel. L2, cosine, per-layer rel. L2).
+
+Sources, alone and combined (names are the row ``config``):
+
+* Q: ``q8`` FP8 per 128-row tile as it is; ``q8s`` Q - mu_Q (mean of the chunk) per tile plus the
+  rank-one compensation mu_Q . K added to the scores in float64 (the recipe's prefill numerics).
+* K, on K~ = K - mu_K (``mu=none``: mu_K = 0; ``first``: mean of the first ``n_cal`` tokens of the
+  context; ``all``: mean of every context token, what :mod:`.kernel` and a first prefill do):
+  ``k4``   the implemented format (:func:`mpfa.recipes.fp4.quantize_k4`: E2M1, block 16, block scales
+           restricted to 2^e / 1.5*2^e, rounded up, per-token FP32 scale);
+  ``k4e``  block scales unrestricted E4M3, round-to-nearest as in NVFP4 (block max may saturate),
+           per-token FP32 scale mapping the token amax to 6*448;
+  ``k4f``  block scales exact FP32 (the limit of any scale format);
+  ``k4b8`` the implemented format with 8-channel blocks;
+  ``k4t``  no block scales: one FP32 scale per token (amax -> 6);
+  ``eq``   prefix: per-channel equalization K' = K~ / t, Q' = Q * t (exact: Q K~^T = Q' K'^T),
+           t = 2^round(log2 rms_c) per (layer, KV head, channel) over the calibration keys, then
+           the named K format on K' (``eqk4``, ``eqk4t``, ...);
+  ``k4m``  the implemented format (same bytes, same exact-on-FP8 products), but each block takes the
+           better of two allowed scales (rounded up, or the next one below with the max saturating);
+  ``~s``   suffix: the first 16 keys (one page: the attention-sink token) in FP8 per token;
+  ``k8``   FP8 per token (``qk8pv8``'s K).
+* P: ``p8`` FP8 after exp with the static offset 448 (``e4m3(p * 448) / 448``).
+* V: ``v8`` FP8 with per-(KV head, channel) scales 2 * amax / 448 from the context's values.
+
+Diagnostics per layer and KV head (``kind: diag`` rows): large-mean channels (|mu_c| / sd_c),
+per-token amax before and after smoothing, relative K error, the logit noise the K error causes in
+the scores, ``sm_scale * Q . dK`` with each query row's mean removed (a constant shift of a row is
+invisible to softmax) and its part from the channels with large mu_K; the attention-sink figures:
+mean probability of key 0 (``p_sink``), ||K_0 - mu|| over the median key's (``k0_norm_rel_*``),
+and the score error of key 0 relative to the p-weighted mean error (``sink_logit_err_*``).
+
+Model level: perplexity and KL(exact || config) of SmolLM2 on KJV with every layer's attention
+replaced by the configuration (registered as transformers attention ``"mpfa_budget"``; mu_K and the
+other calibrated scales come from the same forward, as :class:`.model.MpfaSession` calibrates from
+the first prefill). Writes ``<out>/error_budget.json`` with :func:`benchmarks.results_io.write`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mpfa.recipes.fp4 import BLOCK, E2M1_MAX, TOKEN_TARGET, e2m1_codes, e2m1_values, round_up_block_scale
+from mpfa.recipes.fp8 import E4M3_DTYPE, E4M3_MAX, amax_scale, quantize_e4m3, quantize_per_tile, quantize_per_token
+from mpfa.reference.attention import P_SCALE, _run, attention
+
+from .metrics import ErrorAccumulator
+
+Q_TILE = 128
+SINK_TOKENS = 16     # "~s": the first page of keys stored as FP8 per token instead of 4-bit
+N_CAL = 128          # "first": mu_K from the first 128 tokens of the context
+
+
+# ---------------------------------------------------------------------------------------------
+# K quantizers: rows x [..., D] float32 in, dequantized float32 out
+
+def k4(x: torch.Tensor, *, block: int = BLOCK, scales: str = "restricted") -> torch.Tensor:
+    """E2M1 with one scale per ``block`` channels and one FP32 scale per row.
+
+    ``scales``: ``restricted`` (2^e / 1.5*2^e rounded up, token amax block -> 64: the implemented
+    format, identical to quantize_k4 + dequantize_k4 for block 16), ``e4m3`` (NVFP4: E4M3
+    round-to-nearest, token amax -> 6*448), ``fp32`` (exact block scales), ``none`` (per-row only).
+    """
+    x = x.float()
+    d = x.shape[-1]
+    if scales == "none":
+        ts = amax_scale(x.abs().amax(dim=-1), E2M1_MAX).unsqueeze(-1)
+        return e2m1_values(e2m1_codes(x * (1.0 / ts))) * ts
+    blocks = x.reshape(*x.shape[:-1], d // block, block)
+    bamax = blocks.abs().amax(dim=-1)
+    tamax = bamax.amax(dim=-1)
+    if scales == "e4m3":
+        ts = amax_scale(tamax, E2M1_MAX * E4M3_MAX).unsqueeze(-1)
+        bs = (bamax / (ts * E2M1_MAX)).clamp(max=E4M3_MAX).to(E4M3_DTYPE).float()
+    else:
+        ts = amax_scale(tamax, TOKEN_TARGET).unsqueeze(-1)
+        need = bamax * (1.0 / (ts * E2M1_MAX))
+        if scales == "restricted_mse":
+            return _k4_restricted_mse(blocks, ts, need).reshape(x.shape)
+        bs = round_up_block_scale(need) if scales == "restricted" else need
+        if scales not in ("restricted", "fp32"):
+            raise ValueError(f"unknown block scales {scales!r}")
+    denom = ts * bs
+    inv = torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
+    vals = e2m1_values(e2m1_codes(blocks * inv.unsqueeze(-1)))
+    return (vals * bs.unsqueeze(-1) * ts.unsqueeze(-1)).reshape(x.shape)
+
+
+def _k4_restricted_mse(blocks, ts, need):
+    """Restricted scales, but per block the better (lower squared error) of the rounded-up scale and
+    the next allowed scale below it (the block max may then saturate at 6): same bytes, same
+    exact-on-FP8 products; the append kernel would try two scales instead of one."""
+    up = round_up_block_scale(need)
+    below = torch.where(torch.frexp(up)[0] == 0.5, up * 0.75, up / 1.5)      # 2^e -> 1.5*2^(e-1); 1.5*2^e -> 2^e
+    below = torch.where(below >= 2.0 ** -7, below, up)                       # stay inside the allowed range
+    best, best_err = None, None
+    for bs in (up, below):
+        inv = 1.0 / (ts * bs)
+        deq = e2m1_values(e2m1_codes(blocks * inv.unsqueeze(-1))) * bs.unsqueeze(-1) * ts.unsqueeze(-1)
+        err = (deq - blocks).pow(2).sum(dim=-1, keepdim=True)
+        if best is None:
+            best, best_err = deq, err
+        else:
+            take = err < best_err
+            best, best_err = torch.where(take, deq, best), torch.where(take, err, best_err)
+    return best
+
+
+def k8(x: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_per_token(x.float())
+    return q.float() * s.unsqueeze(-1)
+
+
+K_FORMATS = {
+    "k4": lambda x: k4(x),
+    "k4e": lambda x: k4(x, scales="e4m3"),
+    "k4f": lambda x: k4(x, scales="fp32"),
+    "k4b8": lambda x: k4(x, block=8),
+    "k4b8e": lambda x: k4(x, block=8, scales="e4m3"),
+    "k4m": lambda x: k4(x, scales="restricted_mse"),
+    "k4t": lambda x: k4(x, scales="none"),
+    "k8": k8,
+}
+
+
+def equalizer(k_cal: torch.Tensor) -> torch.Tensor:
+    """Per (KV head, channel) power-of-two t = 2^round(log2 rms) of calibration keys ``[T, H_kv, D]``."""
+    rms = k_cal.double().pow(2).mean(dim=0).sqrt().clamp_min(1e-6)
+    return torch.exp2(torch.round(torch.log2(rms))).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# configurations
+
+def parse(name: str) -> dict:
+    """``"q8s+k4@all+p8+v8"`` -> {'q': 'q8s', 'k': 'k4', 'eq': False, 'mu': 'all', 'p': True, 'v': True}.
+    ``exact`` is nothing quantized. K's mu_K source follows ``@`` (none|first|all; default none)."""
+    cfg = {"name": name, "q": None, "k": None, "eq": False, "mu": "none", "sink": False, "p": False, "v": False}
+    if name == "exact":
+        return cfg
+    for part in name.split("+"):
+        if part in ("q8", "q8s"):
+            cfg["q"] = part
+        elif part == "p8":
+            cfg["p"] = True
+        elif part == "v8":
+            cfg["v"] = True
+        else:
+            m = re.fullmatch(r"(eq)?(k\w+?)(?:@(none|first|all))?(~s)?", part)
+            if not m or m.group(2) not in K_FORMATS:
+                raise ValueError(f"unknown part {part!r} in {name!r}")
+            cfg["k"], cfg["eq"], cfg["mu"] = m.group(2), bool(m.group(1)), m.group(3) or "none"
+            cfg["sink"] = bool(m.group(4))
+    return cfg
+
+
+IMPL = "q8s+k4@all+p8+v8"           # qk4pv8 as implemented (kernel.py: smoothing + compensation)
+IMPL8 = "q8s+k8@all+p8+v8"          # qk8pv8
+
+ALONE = ["q8", "q8s", "k4", "k4@first", "k4@all", "p8", "v8", "k8", "k8@all"]
+K_VARIANTS = ["k4e", "k4e@all", "k4f", "k4f@all", "k4m", "k4m@all", "k4b8", "k4b8@all", "k4b8e", "k4t", "k4t@all",
+              "eqk4", "eqk4@all", "eqk4e", "eqk4t", "eqk4t@all", "eqk4b8",
+              "k4~s", "k4@first~s", "k4@all~s", "k4e~s", "k4e@all~s", "k4m~s", "k4m@all~s", "k4b8e@all~s"]
+COMBINED = [IMPL, "q8s+k4+p8+v8", "q8+k4@all+p8+v8", "q8+k4+p8+v8", IMPL8, "q8s+k8+p8+v8",
+            "q8s+k4e@all+p8+v8", "q8s+k4e+p8+v8", "q8s+k4m+p8+v8", "q8s+k4b8+p8+v8", "q8s+eqk4+p8+v8",
+            "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8", "q8s+k4m@all~s+p8+v8", "q8s+k4e~s+p8+v8", "q8s+p8+v8"]
+ALL_CONFIGS = ["exact"] + ALONE + K_VARIANTS + COMBINED
+
+
+def _expand(x, heads):
+    kv = x.shape[1]
+    return x.repeat_interleave(heads // kv, dim=1) if heads != kv else x
+
+
+def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_CAL) -> dict:
+    """Fixed per-(KV head) quantities from the context: mu_K, the equalizer of K - mu_K, V scales."""
+    kf = k_ctx.float()
+    if mu == "none":
+        mu_k = torch.zeros_like(kf[0])
+    elif mu == "first":
+        mu_k = kf[:n_cal].mean(dim=0)
+    elif mu == "all":
+        mu_k = kf.mean(dim=0)
+    else:
+        raise ValueError(mu)
+    amax = v_ctx.float().abs().amax(dim=0)
+    v_scale = torch.where(amax > 0, amax * 2.0 / E4M3_MAX, torch.ones_like(amax))
+    return {"mu_k": mu_k, "t": equalizer(kf - mu_k), "v_scale": v_scale}
+
+
+def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: float | None = None,
+                        cal: dict | None = None, dtype=torch.float64):
+    """Attention of ``q [n, H, D]`` over ``k, v [m, H_kv, D]`` with ``cfg``'s quantization (float64
+    scores/softmax/PV otherwise). Returns (o ``[n, H, D]``, the effective K as scored ``[m, H_kv, D]``)."""
+    heads, d = q.shape[1], q.shape[2]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    cal = cal or calibrate(k, v, cfg["mu"])
+    qf, kf = q.float(), k.float()
+    if cfg["k"] is not None:
+        ks = kf - cal["mu_k"]
+        if cfg["eq"]:
+            t = cal["t"]
+            ks = ks / t
+            qf = qf * _expand(t.unsqueeze(0), heads)[0]
+        k_eff = K_FORMATS[cfg["k"]](ks)
+        if cfg["sink"]:      # the first page (the attention-sink token and its neighbours) in FP8 per token
+            k_eff = torch.cat([k8(ks[:SINK_TOKENS]), k_eff[SINK_TOKENS:]])
+    else:
+        k_eff = kf
+    ke = _expand(k_eff.to(dtype), heads)
+    bias = None
+    if cfg["q"] is not None:
+        mu = qf.mean(dim=0) if cfg["q"] == "q8s" and q.shape[0] > 0 else torch.zeros_like(qf[0])
+        q_eff = torch.empty_like(qf, dtype=dtype)
+        for h in range(heads):
+            q8, scale = quantize_per_tile(qf[:, h] - mu[h], Q_TILE)
+            q_eff[:, h] = q8.to(dtype) * scale.repeat_interleave(Q_TILE)[: q.shape[0]].unsqueeze(-1).to(dtype)
+        if cfg["q"] == "q8s":
+            bias = torch.einsum("hd,khd->hk", mu.to(dtype), ke)
+    else:
+        q_eff = qf.to(dtype)
+    if cfg["v"]:
+        v_eff = quantize_e4m3(v.float(), cal["v_scale"]).float() * cal["v_scale"]
+    else:
+        v_eff = v.float()
+    if cfg["p"]:
+        def p_quant(p):
+            return quantize_e4m3(p * P_SCALE, 1.0).to(dtype) / P_SCALE
+    else:
+        def p_quant(p):
+            return p
+    o, _ = _run(q_eff, ke, _expand(v_eff.to(dtype), heads), bias, causal=causal, sm_scale=sm_scale, p_quant=p_quant)
+    return o, k_eff
+
+
+def budget(inputs, configs=ALL_CONFIGS, *, contexts=None, n_cal: int = N_CAL, sm_scale=None) -> dict:
+    """Error of each config over ``inputs`` = [(q [n, H, D], k [m, H_kv, D], v [m, H_kv, D])] (one
+    per layer; queries are the last n of the m tokens, causal). Returns {config: metrics}; metrics
+    has rel_l2, cos, max_abs, per_layer_rel_l2."""
+    refs = [attention(q, k, v, causal=True, sm_scale=sm_scale, dtype=torch.float64)[0] for q, k, v in inputs]
+    cfgs = [parse(c) if isinstance(c, str) else c for c in configs]
+    acc = {c["name"]: ErrorAccumulator() for c in cfgs}
+    for (q, k, v), ref in zip(inputs, refs):
+        cals = {mu: calibrate(k, v, mu, n_cal) for mu in ("none", "first", "all")}
+        for c in cfgs:
+            o, _ = quantized_attention(q, k, v, c, sm_scale=sm_scale, cal=cals[c["mu"]])
+            acc[c["name"]].add(o, ref)
+    out = {}
+    for name, a in acc.items():
+        out[name] = {**a.result(), "per_layer_rel_l2": a.per_part}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# diagnostics: why does K smoothing hurt?
+
+def k_diagnostics(inputs, n_cal: int = N_CAL, sm_scale=None) -> list[dict]:
+    """Per (layer, KV head): large-mean channels, amax, K error and the logit noise it causes."""
+    rows = []
+    for layer, (q, k, v) in enumerate(inputs):
+        heads, d = q.shape[1], q.shape[2]
+        sm = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+        group = heads // k.shape[1]
+        kf, qf = k.double(), q.double()
+        m, n = k.shape[0], q.shape[0]
+        mask = torch.arange(m).unsqueeze(0) > torch.arange(n).unsqueeze(1) + (m - n)
+        for h in range(k.shape[1]):
+            kk = kf[:, h]
+            mu, sd = kk.mean(0), kk.std(0).clamp_min(1e-9)
+            big = (mu.abs() / sd) > 2.0
+            r = {"layer": layer, "kv_head": h, "max_mean_over_sd": float((mu.abs() / sd).max()),
+                 "n_mean_channels": int(big.sum()), "tok_amax": float(kk.abs().amax(1).median()),
+                 "tok_amax_smoothed": float((kk - mu).abs().amax(1).median())}
+            qh = qf[:, h * group:(h + 1) * group]
+            for tag, mu_used in (("none", torch.zeros_like(mu)), ("all", mu)):
+                ks = (kk - mu_used).float()
+                dk = k4(ks).double() - ks.double()
+                r[f"k_rel_err_{tag}"] = float(dk.norm() / ks.double().norm())
+                # logit noise: sm * Q . dK over visible keys, row mean removed (softmax-invariant part dropped)
+                tot = chan_big = sink_err = sink_p = 0.0
+                cnt = 0
+                for gq in range(group):
+                    qq = qh[:, gq]
+                    p = torch.softmax((sm * qq @ kk.T).masked_fill(mask, -math.inf), dim=-1)
+                    e_s = sm * qq @ dk.T
+                    # first-order output error comes from the p-weighted spread of the score error
+                    e_p = e_s - (p * e_s).sum(-1, keepdim=True)
+                    sink_err += float(e_p[:, 0].abs().mean()) / group
+                    sink_p += float(p[:, 0].mean()) / group
+                    e = (sm * qq @ dk.T).masked_fill(mask, float("nan"))                      # [n, m]
+                    e_big = (sm * qq[:, big] @ dk[:, big].T).masked_fill(mask, float("nan"))
+                    e = e - e.nanmean(1, keepdim=True)
+                    e_big = e_big - e_big.nanmean(1, keepdim=True)
+                    tot += float(e.nan_to_num().pow(2).sum())
+                    chan_big += float(e_big.nan_to_num().pow(2).sum())
+                    cnt += int((~mask).sum())
+                r[f"sink_logit_err_{tag}"] = sink_err
+                r["p_sink"] = sink_p
+                r["k0_norm_rel"] = float((kk[0] - mu_used).norm() / (kk - mu_used).norm(dim=1).median())  # last: 'all'
+                r[f"k0_norm_rel_{tag}"] = r.pop("k0_norm_rel")
+                r[f"logit_noise_{tag}"] = math.sqrt(tot / cnt)
+                r[f"logit_noise_meanch_{tag}"] = math.sqrt(chan_big / cnt)
+            rows.append(r)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# model level
+
+_STATE: list = []
+
+
+def _budget_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    cfg = _STATE[-1]
+    q = query[0].transpose(0, 1).to(torch.bfloat16)
+    k = key[0].transpose(0, 1).to(torch.bfloat16)
+    v = value[0].transpose(0, 1).to(torch.bfloat16)
+    o, _ = quantized_attention(q, k, v, cfg, sm_scale=scaling, cal=calibrate(k, v, cfg["mu"]), dtype=torch.float64)
+    return o.unsqueeze(0).to(query.dtype), None
+
+
+@torch.no_grad()
+def model_ppl(mdl, ids: torch.Tensor, configs) -> list[dict]:
+    """Perplexity / KL(exact || config) / top-1 agreement of each config on ``ids`` (one forward of the
+    whole sequence, causal; calibration from the same forward)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("mpfa_budget", _budget_attention)
+    rows, base = [], None
+    tgt = ids[1:]
+    for name in configs:
+        t0 = time.time()
+        _STATE.append(parse(name))
+        mdl.set_attn_implementation("mpfa_budget")
+        try:
+            h = mdl.model(input_ids=ids.unsqueeze(0), use_cache=False).last_hidden_state[0]
+        finally:
+            _STATE.pop()
+            mdl.set_attn_implementation("sdpa")
+        logp = torch.log_softmax(mdl.lm_head(h[:-1]).double(), dim=-1)
+        nll = float(-logp.gather(1, tgt[:, None]).mean())
+        row = {"config": name, "tokens": int(ids.shape[0]), "nll": nll, "ppl": math.exp(nll)}
+        if base is None:
+            base, row["kl"], row["top1_agree"] = logp, 0.0, 1.0
+        else:
+            row["kl"] = float((base.exp() * (base - logp)).sum(-1).mean())
+            row["top1_agree"] = float((base.argmax(-1) == logp.argmax(-1)).double().mean())
+        rows.append(row)
+        _log(f"model {name}: ppl {row['ppl']:.4f} kl {row['kl']:.5f} ({time.time() - t0:.1f}s)")
+    b = rows[0]["ppl"]
+    for r in rows:
+        r["ppl_increase"] = r["ppl"] / b - 1
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _log(msg):
+    print(f"[error_budget] {msg}", file=sys.stderr, flush=True)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Key figures, from the rows only."""
+    k = {r["id"]: r for r in rows if r.get("kind") == "kernel"}
+    out = {}
+    for key, r in k.items():
+        if r["source"] == "kjv-activations" and r["config"] in (IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
+                                                                 "q8s", "p8", "v8", IMPL8, "k4@all~s", "k4e@all~s",
+                                                                 "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8"):
+            out[f"{r['context']}/{r['config']}"] = round(r["rel_l2"], 4)
+    mod = [r for r in rows if r.get("kind") == "model"]
+    if mod:
+        out["model_ppl_increase"] = {r["config"]: round(r["ppl_increase"], 4) for r in mod}
+    return {"rel_l2": out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.error_budget", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--q-len", type=int, default=256)
+    ap.add_argument("--model-tokens", type=int, default=1024)
+    ap.add_argument("--model-configs", nargs="+", default=["exact", IMPL8, IMPL, "q8s+k4+p8+v8", "q8s+k4e@all+p8+v8",
+                                                           "q8s+k4@all~s+p8+v8", "q8s+k4m@all~s+p8+v8",
+                                                           "q8s+k4e@all~s+p8+v8", "q8s+eqk4+p8+v8"])
+    ap.add_argument("--configs", nargs="+", default=ALL_CONFIGS)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/mpfa-error-budget"))
+    ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--capture-cache", type=Path, default=None, help="torch.save file of the captured Q/K/V")
+    ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--no-synthetic", action="store_true")
+    args = ap.parse_args(argv)
+    from . import data, kernel
+    from . import model as M
+    from .run import _tokens
+    torch.set_grad_enabled(False)
+    rows = []
+    meta = {"suite": "error_budget", "torch": torch.__version__, "q_len": args.q_len, "q_tile": Q_TILE,
+            "n_cal": N_CAL, "model": M.MODEL_NAME, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+    def add(source, ctx, qlen, shape, res):
+        for name, r in res.items():
+            rows.append({"id": f"kernel/{source}/{ctx}/{name}", "kind": "kernel", "source": source, "context": ctx,
+                         "q_len": qlen, **shape, "config": name, **r})
+
+    if not args.no_synthetic:
+        for outl in (False, True):
+            src = "outlier" if outl else "gaussian"
+            t0 = time.time()
+            q, k, v = kernel.synthetic(1024, args.q_len, 8, 2, 128, outliers=outl)
+            add(src, 1024, args.q_len, {"heads": 8, "kv_heads": 2, "head_dim": 128}, budget([(q, k, v)], args.configs))
+            _log(f"synthetic {src}: {time.time() - t0:.1f}s")
+
+    why = M.missing_requirements()
+    if why:
+        rows.append({"id": "kjv", "kind": "kernel", "status": "skipped", "reason": why})
+        _log(f"real activations skipped: {why}")
+    else:
+        mdl, tok = M.load("cpu")
+        text = data.text("kjv", args.data_dir) if args.data_dir else data.text("kjv")
+        top = max(args.contexts + [args.model_tokens])
+        if args.capture_cache and args.capture_cache.is_file():
+            cap = torch.load(args.capture_cache)["cap"]
+        else:
+            ids = _tokens(tok, text, top)
+            cap = M.capture(mdl, ids)
+            if args.capture_cache:
+                torch.save({"ids": ids, "cap": cap}, args.capture_cache)
+        shape = {"heads": cap[0][0].shape[1], "kv_heads": cap[0][1].shape[1], "head_dim": cap[0][0].shape[2],
+                 "layers": len(cap)}
+        for ctx in args.contexts:
+            t0 = time.time()
+            inputs = [(q[ctx - args.q_len:ctx], k[:ctx], v[:ctx]) for q, k, v in cap]
+            add("kjv-activations", ctx, args.q_len, shape, budget(inputs, args.configs))
+            _log(f"kjv {ctx}: {time.time() - t0:.1f}s")
+            for r in k_diagnostics(inputs):
+                rows.append({"id": f"diag/{ctx}/{r['layer']}/{r['kv_head']}", "kind": "diag", "context": ctx, **r})
+        if not args.no_model:
+            ids = _tokens(tok, text, args.model_tokens)
+            for r in model_ppl(mdl, ids, args.model_configs):
+                rows.append({"id": f"model/kjv/{args.model_tokens}/{r['config']}", "kind": "model", "text": "kjv", **r})
+    from benchmarks.results_io import write
+    path = write("error_budget", meta, summarize(rows), rows, args.out)
+    _log(f"wrote {path}")
+    for r in rows:
+        if r.get("kind") == "kernel" and "rel_l2" in r:
+            print(f"{r['source']:16s} {r['context']:5d} {r['config']:24s} rel_l2 {r['rel_l2']:.4f} cos {r['cos']:.5f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

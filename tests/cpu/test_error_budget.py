@@ -1,0 +1,62 @@
+"""The error-budget study (benchmarks/accuracy/error_budget.py) on tiny synthetic inputs: its K
+quantizer is the package's, its combined configuration is the recipe's prefill numerics, and the
+orderings the study reports hold with margins that can fail."""
+import pytest
+import torch
+
+from benchmarks.accuracy import error_budget as eb
+from benchmarks.accuracy import kernel
+from mpfa.recipes.fp4 import dequantize_k4, quantize_k4
+from mpfa.recipes.fp8 import quantize_e4m3
+from mpfa.reference.attention import recipe_attention
+
+
+@pytest.fixture(scope="module")
+def outlier():
+    return kernel.synthetic(256, 64, 4, 2, 64, outliers=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def res(outlier):
+    return eb.budget([outlier], ["exact", "q8s", "k4", "k4@all", "k4e@all", "k4f@all", "k8@all", "p8", "v8",
+                                 eb.IMPL, "k4@all~s"])
+
+
+def test_k4_is_the_package_format():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 2, 64, generator=g) * torch.rand(300, 2, 1, generator=g) * 20
+    x[:, :, 7] += 40
+    assert torch.equal(eb.k4(x), dequantize_k4(*quantize_k4(x)))
+    fp32 = (eb.k4(x, scales="fp32") - x).norm()
+    for s in ("restricted", "restricted_mse", "e4m3"):        # exact scales are the limit of every scale format
+        assert (eb.k4(x, scales=s) - x).norm() >= fp32 * 0.999, s
+    assert (eb.k4(x, scales="restricted_mse") - x).norm() <= (eb.k4(x) - x).norm()   # per block the better of two
+
+
+def test_combined_is_the_recipe(outlier):
+    q, k, v = outlier
+    cal = eb.calibrate(k, v, "all")
+    o, k_eff = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL), cal=cal)
+    k_ref = dequantize_k4(*quantize_k4(k.float() - cal["mu_k"]))
+    assert torch.equal(k_eff, k_ref)
+    v_ref = quantize_e4m3(v.float(), cal["v_scale"]).float() * cal["v_scale"]
+    ref, _ = recipe_attention(q, k_ref, v_ref, recipe="qk4pv8", causal=True, compensation=True)
+    assert torch.allclose(o, ref, rtol=0, atol=1e-12)
+
+
+def test_orderings(res):
+    r = {n: m["rel_l2"] for n, m in res.items()}
+    assert r["exact"] < 1e-12
+    assert r["k4@all"] > 3 * r["p8"] and r["k4@all"] > 3 * r["v8"], r     # 4-bit K dominates the budget
+    assert r["k8@all"] < 0.3 * r["k4@all"], r
+    assert r["k4@all"] < 0.7 * r["k4"], r                                   # smoothing helps mean outliers
+    assert r["k4e@all"] < r["k4@all"], r                                     # unrestricted scales: less error
+    assert r[eb.IMPL] >= 0.9 * r["k4@all"], r                               # the rest adds little
+    assert len(res["k4"]["per_layer_rel_l2"]) == 1
+
+
+def test_parse():
+    c = eb.parse("q8s+eqk4e@first~s+p8+v8")
+    assert (c["q"], c["k"], c["eq"], c["mu"], c["sink"], c["p"], c["v"]) == ("q8s", "k4e", True, "first", True, True, True)
+    with pytest.raises(ValueError):
+        eb.parse("k5")
