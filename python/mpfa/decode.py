@@ -27,7 +27,7 @@ from mpfa_jit.ops import decode as decode_op
 from .backend import kernel_arch, resolve
 from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
 from .prefill import _check_workspace
-from .validation import check_tensor, check_vector_rows
+from .validation import check_tensor, check_vector_rows, check_workspace
 
 TILE = 64                      # tokens per pipeline stage of the kernel; splits are whole tiles
 MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 tiles)
@@ -117,12 +117,8 @@ class BatchDecodeWrapper:
             if num_splits is None:
                 num_splits = choose_num_splits(batch, num_kv_heads, max(paged.kv_lengths), _num_sms(dev_index))
             need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
-            if self.workspace_buffer.device != device:
-                raise ValueError(f"workspace_buffer must be on {device}, got {self.workspace_buffer.device}")
-            if self.workspace_buffer.numel() < need:
-                raise ValueError(f"workspace_buffer holds {self.workspace_buffer.numel()} bytes but this plan "
-                                 f"(batch {batch}, {num_qo_heads} query heads, head_dim {head_dim}, {num_splits} KV "
-                                 f"splits) needs {need} bytes: pass a larger workspace_buffer")
+            check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
+                            f"head_dim {head_dim}, {num_splits} KV splits")
             fn = _kernel(recipe_.name, head_dim, page_size, group, kernel_arch(device))
             n_idx = paged_kv_indices.numel()
             buf = self._buffers

@@ -25,7 +25,7 @@ from mpfa_jit.ops import prefill as prefill_op
 
 from .backend import kernel_arch, resolve
 from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
-from .validation import check_tensor, check_vector_rows
+from .validation import check_tensor, check_vector_rows, check_workspace
 
 Q_TILE = 128   # query rows per tile (one FP8 scale per tile and head); the kernel's CTA rows
 _ALIGN = 256
@@ -125,12 +125,8 @@ class BatchPrefillWrapper:
         total_kv = sum(kv_lengths)
         compensate = bool(compensation and recipe_.quantized_q)
         need = workspace_bytes(batch, num_qo_heads, head_dim, total_kv, compensate)
-        if self.workspace_buffer.device != device:
-            raise ValueError(f"workspace_buffer must be on {device}, got {self.workspace_buffer.device}")
-        if self.workspace_buffer.numel() < need:
-            raise ValueError(f"workspace_buffer holds {self.workspace_buffer.numel()} bytes but this plan (batch "
-                             f"{batch}, {num_qo_heads} query heads, head_dim {head_dim}, {total_kv} KV tokens, "
-                             f"compensation) needs {need} bytes: pass a larger workspace_buffer")
+        check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
+                        f"head_dim {head_dim}, {total_kv} KV tokens, compensation")
         fn = _kernel(recipe_.name, head_dim, page_size, kernel_arch(device))
         tiles = tile_schedule(qo_lens, kv_lengths, causal)
         kv_offset = [0]

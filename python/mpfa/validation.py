@@ -37,3 +37,12 @@ def check_vector_rows(name: str, t: torch.Tensor) -> None:
     if any((s * es) % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
         raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 16 bytes, "
                          f"got strides {t.stride()} ({t.dtype})")
+
+
+def check_workspace(workspace_buffer: torch.Tensor, device: torch.device, need: int, plan: str) -> None:
+    """The wrapper's workspace must be on the batch's device and hold ``need`` bytes for ``plan``."""
+    if workspace_buffer.device != device:
+        raise ValueError(f"workspace_buffer must be on {device}, got {workspace_buffer.device}")
+    if workspace_buffer.numel() < need:
+        raise ValueError(f"workspace_buffer holds {workspace_buffer.numel()} bytes but this plan ({plan}) needs "
+                         f"{need} bytes: pass a larger workspace_buffer")

@@ -641,3 +641,13 @@ def test_decode_run_errors(case):
         q, out = args.get("q", q), args.get("out")
     with pytest.raises(ValueError, match=match):
         w.run(q, kv, out=out)
+
+
+def test_workspace_capacity_and_device_are_checked():
+    from mpfa.validation import check_workspace
+    ws = torch.empty(1000, dtype=torch.uint8)
+    check_workspace(ws, torch.device("cpu"), 1000, "a plan")
+    with pytest.raises(ValueError, match=r"workspace_buffer holds 1000 bytes but this plan \(batch 2\) needs 1001 bytes"):
+        check_workspace(ws, torch.device("cpu"), 1001, "batch 2")
+    with pytest.raises(ValueError, match=r"workspace_buffer must be on meta, got cpu"):
+        check_workspace(ws, torch.device("meta"), 10, "a plan")
