@@ -59,6 +59,14 @@ def driver_version() -> str | None:
         return None
 
 
+def gpu_state() -> str | None:
+    """SM/memory clocks, temperature and power when the results are written: a row that moves between
+    runs of the same code is first checked against these (the clocks are never changed, only read)."""
+    out = _run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw",
+                "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out else None
+
+
 def nvcc_version() -> str | None:
     """e.g. "13.0.88" from `nvcc --version` (PATH, then $CUDA_HOME/bin, then /usr/local/cuda)."""
     cands = [shutil.which("nvcc")]
@@ -96,6 +104,7 @@ def collect(command: str, **extra) -> dict:
         "sms": None,
         "l2_bytes": None,
         "driver": driver_version(),
+        "gpu_state": gpu_state(),
         "cuda": None,
         "torch": None,
         "flashinfer": pkg_version("flashinfer-python") or pkg_version("flashinfer"),
