@@ -8,7 +8,7 @@ import torch
 from mpfa_jit import get_kernel
 from mpfa_jit.ops import append_kv as append_op
 
-from .backend import kernel_arch, resolve
+from .backend import data_ptr as _ptr, device_index, kernel_arch, resolve
 from .kv_cache import KVCacheLayer
 from .reference.append import reference_append
 from .validation import check_tensor, check_vector_rows
@@ -18,10 +18,6 @@ from .validation import check_tensor, check_vector_rows
 def _kernel(recipe: str, head_dim: int, page_size: int, arch: str):
     spec = append_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=arch)
     return get_kernel(spec).fn(append_op.SYMBOL, append_op.ARGTYPES)
-
-
-def _ptr(t):
-    return None if t is None else t.data_ptr()
 
 
 def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.Tensor, *,
@@ -50,6 +46,6 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
     f = kv.fields
     fn(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.contiguous().data_ptr(),
        k.shape[0], kv.num_kv_heads, f["k"].data_ptr(), _ptr(f.get("k_block_scale")), _ptr(f.get("k_scale")),
-       f["v"].data_ptr(), _ptr(kv.mu_k), _ptr(kv.v_scale), kv.device.index if kv.device.index is not None
-       else torch.cuda.current_device(), torch.cuda.current_stream(kv.device).cuda_stream)
+       f["v"].data_ptr(), _ptr(kv.mu_k), _ptr(kv.v_scale), device_index(kv.device),
+       torch.cuda.current_stream(kv.device).cuda_stream)
     return ran

@@ -10,7 +10,7 @@ import torch
 
 from mpfa_jit import env as jit_env
 
-from .validation import check_choice
+from .validation import check_choice, check_vector_rows
 
 BACKENDS = ("auto", "cuda", "reference")
 
@@ -29,3 +29,24 @@ def resolve(backend: str, device: torch.device) -> str:
 
 def kernel_arch(device: torch.device) -> str:
     return jit_env.target_arch(device)
+
+
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's device address for a kernel argument; None (a null pointer) for an absent field."""
+    return None if t is None else t.data_ptr()
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, return_lse: bool):
+    """(out, lse) for an attention kernel writing rows like ``q``: ``out`` allocated when not given,
+    LSE [rows, heads] float32 only when asked for."""
+    check_vector_rows("q", q)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else:
+        check_vector_rows("out", out)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse

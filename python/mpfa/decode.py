@@ -24,10 +24,9 @@ import torch
 from mpfa_jit import UnknownKernelError, get_kernel
 from mpfa_jit.ops import decode as decode_op
 
-from .backend import kernel_arch, resolve
+from .backend import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve
 from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
-from .prefill import _check_workspace
-from .validation import check_tensor, check_vector_rows, check_workspace
+from .validation import check_tensor, check_workspace, check_workspace_tensor
 
 TILE = 64                      # tokens per pipeline stage of the kernel; splits are whole tiles
 MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 tiles)
@@ -76,13 +75,9 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _ptr(t):
-    return None if t is None else t.data_ptr()
-
-
 class BatchDecodeWrapper:
     def __init__(self, workspace_buffer: torch.Tensor, *, backend: str = "auto"):
-        _check_workspace(workspace_buffer)
+        check_workspace_tensor(workspace_buffer)
         self.workspace_buffer = workspace_buffer
         self.requested_backend = backend
         self.backend: str | None = None
@@ -112,7 +107,7 @@ class BatchDecodeWrapper:
                     f"{list(decode_op.HEAD_DIMS)} and group sizes 1..8; pass backend='reference' for the PyTorch "
                     "reference")
             device = paged_kv_indices.device
-            dev_index = device.index if device.index is not None else torch.cuda.current_device()
+            dev_index = device_index(device)
             batch = paged.batch_size
             if num_splits is None:
                 num_splits = choose_num_splits(batch, num_kv_heads, max(paged.kv_lengths), _num_sms(dev_index))
@@ -196,12 +191,7 @@ class BatchDecodeWrapper:
 
     def _run_kernel(self, q, kv, out, return_lse):
         p, buf = self._plan, self._buffers
-        check_vector_rows("q", q)
-        if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        else:
-            check_vector_rows("out", out)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        out, lse = kernel_outputs(q, out, return_lse)
         f = kv.fields
         p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),

@@ -23,9 +23,9 @@ import torch
 from mpfa_jit import UnknownKernelError, get_kernel
 from mpfa_jit.ops import prefill as prefill_op
 
-from .backend import kernel_arch, resolve
+from .backend import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve
 from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
-from .validation import check_tensor, check_vector_rows, check_workspace
+from .validation import check_tensor, check_workspace, check_workspace_tensor
 
 Q_TILE = 128   # query rows per tile (one FP8 scale per tile and head); the kernel's CTA rows
 _ALIGN = 256
@@ -62,19 +62,11 @@ def _kernel(recipe: str, head_dim: int, page_size: int, arch: str):
     return get_kernel(spec).fn(prefill_op.SYMBOL, prefill_op.ARGTYPES)
 
 
-def _ptr(t):
-    return None if t is None else t.data_ptr()
-
-
-def _check_workspace(workspace_buffer):
-    check_tensor("workspace_buffer", workspace_buffer, dtypes=(torch.uint8,), ndim=1)
-
-
 class BatchPrefillWrapper:
     """Ragged-batch prefill/extend attention with a cached prefix in a paged cache."""
 
     def __init__(self, workspace_buffer: torch.Tensor, *, backend: str = "auto"):
-        _check_workspace(workspace_buffer)
+        check_workspace_tensor(workspace_buffer)
         self.workspace_buffer = workspace_buffer
         self.requested_backend = backend
         self.backend: str | None = None   # what `plan` chose: 'cuda' or 'reference'
@@ -119,7 +111,7 @@ class BatchPrefillWrapper:
 
     def _plan_kernel(self, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads, head_dim, page_size,
                      causal, compensation):
-        dev_index = device.index if device.index is not None else torch.cuda.current_device()
+        dev_index = device_index(device)
         batch = paged.batch_size
         kv_lengths = paged.kv_lengths
         total_kv = sum(kv_lengths)
@@ -174,12 +166,7 @@ class BatchPrefillWrapper:
 
     def _run_kernel(self, q, kv, out, return_lse):
         p, buf = self._plan, self._buffers
-        check_vector_rows("q", q)
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        else:
-            check_vector_rows("out", out)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        out, lse = kernel_outputs(q, out, return_lse)
         f = kv.fields
         p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["qo_indptr"].data_ptr(),

@@ -39,6 +39,10 @@ def check_vector_rows(name: str, t: torch.Tensor) -> None:
                          f"got strides {t.stride()} ({t.dtype})")
 
 
+def check_workspace_tensor(workspace_buffer) -> None:
+    check_tensor("workspace_buffer", workspace_buffer, dtypes=(torch.uint8,), ndim=1)
+
+
 def check_workspace(workspace_buffer: torch.Tensor, device: torch.device, need: int, plan: str) -> None:
     """The wrapper's workspace must be on the batch's device and hold ``need`` bytes for ``plan``."""
     if workspace_buffer.device != device:

@@ -651,3 +651,15 @@ def test_workspace_capacity_and_device_are_checked():
         check_workspace(ws, torch.device("cpu"), 1001, "batch 2")
     with pytest.raises(ValueError, match=r"workspace_buffer must be on meta, got cpu"):
         check_workspace(ws, torch.device("meta"), 10, "a plan")
+
+
+def test_kernel_outputs_allocate_or_check_the_output():
+    from mpfa.backend import data_ptr, kernel_outputs
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    out, lse = kernel_outputs(q, None, True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous() and lse.shape == (3, 4)
+    given = torch.empty_like(q)
+    assert kernel_outputs(q, given, False) == (given, None)
+    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+        kernel_outputs(q, torch.empty(3, 64, 4, dtype=torch.bfloat16).transpose(1, 2), False)
+    assert data_ptr(None) is None and data_ptr(q) == q.data_ptr()
