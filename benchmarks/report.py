@@ -157,14 +157,19 @@ def splice(text: str, section: str) -> str:
     return text[:b + len(BEGIN)] + "\n" + (section + "\n" if section else "") + text[e:]
 
 
-def summary_mismatches(results_dir: Path | str) -> list[str]:
-    """Files whose stored summary differs from their suite's summarize(rows) now."""
-    bad = []
+def suite_results(results_dir: Path | str):
+    """(path, result, suite module) for every results file a suite wrote."""
     for path in results_io.list_results(results_dir):
         result = results_io.read(path)
         suite = suites.for_result(path.stem, result["meta"])
-        if suite is None:
-            continue
+        if suite is not None:
+            yield path, result, suite
+
+
+def summary_mismatches(results_dir: Path | str) -> list[str]:
+    """Files whose stored summary differs from their suite's summarize(rows) now."""
+    bad = []
+    for path, result, suite in suite_results(results_dir):
         want = results_io.normalize(suite.summarize(result["rows"]))
         if want != results_io.normalize(result["summary"]):
             bad.append(f"{path.name}: summary differs from {suite.__name__}.summarize(rows)"
@@ -175,11 +180,7 @@ def summary_mismatches(results_dir: Path | str) -> list[str]:
 def resummarize(results_dir: Path | str) -> list[Path]:
     """Recompute derived row fields and the summary of each suite's file from its rows."""
     changed = []
-    for path in results_io.list_results(results_dir):
-        result = results_io.read(path)
-        suite = suites.for_result(path.stem, result["meta"])
-        if suite is None:
-            continue
+    for path, result, suite in suite_results(results_dir):
         rows = result["rows"]
         if hasattr(suite, "annotate"):
             rows = suite.annotate(rows)

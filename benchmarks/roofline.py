@@ -12,7 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks import plots, results_io, suites
+from benchmarks import plots, results_io
+from benchmarks.report import suite_results
 
 IMAGE = "roofline_h200.png"
 
@@ -26,10 +27,8 @@ def _ceiling(rows, name, key):
 
 def collect(results_dir: Path):
     points, fp8, hbm = [], None, None
-    for path in results_io.list_results(results_dir):
-        result = results_io.read(path)
-        suite = suites.for_result(path.stem, result["meta"])
-        if suite is None or not hasattr(suite, "roofline_points"):
+    for _, result, suite in suite_results(results_dir):
+        if not hasattr(suite, "roofline_points"):
             continue
         points += suite.roofline_points(result)
         fp8 = fp8 or _ceiling(result["rows"], "fp8_mma", "flops")
