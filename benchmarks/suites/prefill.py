@@ -1,6 +1,6 @@
 """Prefill suite: causal attention at head_dim 128, 32 query / 8 KV heads (issue 3's shapes), mpfa per
-recipe (its time includes Q quantization and the compensation vector; the K/V append is the append
-suite's) beside FlashInfer fa3 (BF16 and FP8) and cuDNN BF16 through torch SDPA.
+recipe (its time includes every pass a serving call pays: mu_Q, the KV tile images with the
+compensation vector, Q quantization; the K/V append is the append suite's) beside FlashInfer fa3 (BF16 and FP8) and cuDNN BF16 through torch SDPA.
 
 FLOPs count only the unmasked (query, key) pairs: 4 * D * H_q * pairs, with the causal mask aligned
 bottom-right (a chunk of n queries over m keys sees m - n + i + 1 keys at row i).
@@ -93,7 +93,9 @@ def _mpfa(case, ctx, gen):
                              device="cuda")
     kv_indptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
     last = torch.tensor([(n + p - 1) % PAGE + 1 for n, p in reqs], dtype=torch.int32, device="cuda")
-    w = mpfa.BatchPrefillWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
+    need = mpfa.prefill.workspace_bytes(len(reqs), QO_HEADS, KV_HEADS, HEAD_DIM, [n + p for n, p in reqs],
+                                        case["recipe"], bool(case["compensation"]))
+    w = mpfa.BatchPrefillWrapper(torch.empty(max(need, 1 << 20), dtype=torch.uint8, device="cuda"))
     w.plan(qo_indptr, kv_indptr, perm[: indptr[-1]], last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
            recipe=case["recipe"], compensation=bool(case["compensation"]))
     q = torch.cat(qs)

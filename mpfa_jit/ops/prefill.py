@@ -1,5 +1,6 @@
 """Specs of the batch prefill/extend kernel (templates/prefill.cu.jinja): wgmma (QGMMA / HGMMA) over the
-paged cache, with the Q-smoothing pre-passes (mu_Q, compensation) in the same library.
+paged cache; its pre-passes (mu_Q; the KV tile images with the compensation vector) are in the same
+library.
 
 Causality and the GQA group are runtime arguments (one build serves both), so a specialization is
 (recipe, head_dim, page_size, arch)."""
@@ -21,10 +22,10 @@ MAX_GROUP = 8   # tested range of num_qo_heads / num_kv_heads (the kernel itself
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # q, q strides (token, head), k, k_block_scale, k_scale, v, v_scale, qo_indptr, kv_indptr, indices,
-# last_page_len, kv_offset, tile_req, tile_q, num_tiles, batch, num_qo_heads, num_kv_heads, total_kv,
-# comp_grid_x, causal, sm_scale, mu, comp, out, out strides, lse, device, stream
-ARGTYPES = [_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i32, _i32, _i32, _i32, _i64, _i32,
-            _i32, _f32, _p, _p, _p, _i64, _i64, _p, _i32, _p]
+# last_page_len, kv_tile_base, tile_req, tile_q, kvt_req, kvt_idx, num_tiles, num_kv_tiles, batch,
+# num_qo_heads, num_kv_heads, causal, sm_scale, mu, k_img, v_img, fa, fb, out, out strides, lse,
+# device, stream
+ARGTYPES = ([_p, _i64, _i64] + [_p] * 14 + [_i32] * 6 + [_f32] + [_p] * 6 + [_i64, _i64, _p, _i32, _p])
 
 
 def supported(*, recipe: str, head_dim: int, page_size: int, group_size: int = 1) -> bool:

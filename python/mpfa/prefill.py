@@ -7,11 +7,12 @@
 Each request's new chunk (qo rows) must already be appended: it is the last qo_len tokens of the
 request's KV, and the causal mask is aligned to that end.
 
-Kernel path (sm_90a, templates/prefill.cu.jinja): wgmma (QGMMA for the FP8 recipes, HGMMA for bf16),
-one CTA per (request, 128-row query tile, query head). ``plan`` validates, builds the tile list
-(longest KV first), copies the page table and tile list into int32 device buffers, carves mu_Q and
-the compensation vector out of the workspace, and builds/loads the kernel. ``run`` only launches
-(pre-passes mu_Q and c = mu_Q . K~ when compensation is on, then the main kernel): no host sync.
+Kernel path (sm_90a, templates/prefill.cu.jinja): a pre-pass turns the request's paged, compressed
+K/V into MMA-ready tile images in the workspace (e4m3 or bf16 K, transposed V, per-key factors and
+the compensation vector), then a warp-specialized wgmma kernel (QGMMA for the FP8 recipes, HGMMA for
+bf16) runs one CTA per (128-row query tile, query head). ``plan`` validates, builds the query-tile
+list (longest KV first) and the KV-tile list, copies them and the page table into int32 device
+buffers, carves the workspace, and builds/loads the kernel. ``run`` only launches: no host sync.
 """
 from __future__ import annotations
 
@@ -35,12 +36,42 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def workspace_bytes(batch_size: int, num_qo_heads: int, head_dim: int, total_kv: int, compensation: bool) -> int:
-    """Workspace the kernel path needs: mu_Q [batch, Hq, D] and c [Hq, total_kv] (fp32), with
-    compensation on a quantized recipe; nothing otherwise."""
-    if not compensation:
-        return 0
-    return _align(batch_size * num_qo_heads * head_dim * 4) + _align(num_qo_heads * total_kv * 4)
+KV_TILE = {"bf16": 64, "qk8pv8": 128, "qk4pv8": 128}   # keys per KV tile image (the kernel's kBN)
+
+
+def kv_tiles(kv_lengths, recipe: str) -> list[int]:
+    """Number of KV tile images of each request."""
+    return [-(-n // KV_TILE[recipe]) for n in kv_lengths]
+
+
+def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
+                     recipe: str, compensation: bool) -> dict[str, tuple[int, int]]:
+    """Byte (offset, size) of each workspace section the kernel path uses: the K and V^T tile images
+    (n_kv_tiles x Hkv x KV_TILE x head_dim elements each), the per-key factors fa (quantized
+    recipes), and with compensation mu_Q [batch, Hq, D] and fb [n_kv_tiles, Hq, KV_TILE] (fp32)."""
+    n = sum(kv_tiles(kv_lengths, recipe))
+    tile = KV_TILE[recipe]
+    elt = 2 if recipe == "bf16" else 1
+    sizes = {"k_img": n * num_kv_heads * tile * head_dim * elt, "v_img": n * num_kv_heads * tile * head_dim * elt}
+    if recipe != "bf16":
+        sizes["fa"] = n * num_kv_heads * tile * 4
+        if compensation:
+            sizes["mu"] = batch_size * num_qo_heads * head_dim * 4
+            sizes["fb"] = n * num_qo_heads * tile * 4
+    layout, off = {}, 0
+    for name, size in sizes.items():
+        layout[name] = (off, size)
+        off = _align(off + size)
+    return layout
+
+
+def workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
+                    recipe: str, compensation: bool) -> int:
+    """Workspace the kernel path needs (see workspace_layout): about 2 bytes per K/V element of the
+    batch's keys for the FP8 recipes (4 for bf16), plus 4 bytes per key and query head with
+    compensation."""
+    layout = workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe, compensation)
+    return _align(max((o + n for o, n in layout.values()), default=0))
 
 
 def tile_schedule(qo_lens, kv_lengths, causal: bool) -> list[tuple[int, int]]:
@@ -114,22 +145,27 @@ class BatchPrefillWrapper:
         dev_index = device_index(device)
         batch = paged.batch_size
         kv_lengths = paged.kv_lengths
-        total_kv = sum(kv_lengths)
         compensate = bool(compensation and recipe_.quantized_q)
-        need = workspace_bytes(batch, num_qo_heads, head_dim, total_kv, compensate)
-        check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
-                        f"head_dim {head_dim}, {total_kv} KV tokens, compensation")
+        layout = workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate)
+        need = workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate)
+        check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query / {num_kv_heads} "
+                        f"KV heads, head_dim {head_dim}, {sum(kv_lengths)} KV tokens, recipe {recipe_.name}"
+                        + (", compensation" if compensate else ""))
         fn = _kernel(recipe_.name, head_dim, page_size, kernel_arch(device))
         tiles = tile_schedule(qo_lens, kv_lengths, causal)
-        kv_offset = [0]
-        for n in kv_lengths[:-1]:
-            kv_offset.append(kv_offset[-1] + n)
+        counts = kv_tiles(kv_lengths, recipe_.name)
+        kv_tile_base, kvt_req, kvt_idx = [], [], []
+        for b, n in enumerate(counts):
+            kv_tile_base.append(len(kvt_req))
+            kvt_req += [b] * n
+            kvt_idx += range(n)
+        i32 = functools.partial(torch.tensor, dtype=torch.int32)
         host = dict(qo_indptr=qo.to(torch.int32), kv_indptr=paged.paged_kv_indptr.cpu().to(torch.int32),
                     indices=paged.paged_kv_indices.cpu().to(torch.int32),
                     last_page_len=paged.paged_kv_last_page_len.cpu().to(torch.int32),
-                    kv_offset=torch.tensor(kv_offset, dtype=torch.int32),
-                    tile_req=torch.tensor([b for b, _ in tiles] or [0], dtype=torch.int32),
-                    tile_q=torch.tensor([t for _, t in tiles] or [0], dtype=torch.int32))
+                    kv_tile_base=i32(kv_tile_base), tile_req=i32([b for b, _ in tiles] or [0]),
+                    tile_q=i32([t for _, t in tiles] or [0]), kvt_req=i32(kvt_req or [0]),
+                    kvt_idx=i32(kvt_idx or [0]))
         buf = self._buffers
         if buf is None or any(buf[k].device != device or buf[k].numel() < max(1, v.numel()) for k, v in host.items()):
             buf = {k: torch.zeros(max(1, v.numel()), dtype=torch.int32, device=device) for k, v in host.items()}
@@ -137,16 +173,10 @@ class BatchPrefillWrapper:
         for k, v in host.items():
             if v.numel():
                 buf[k][: v.numel()].copy_(v, non_blocking=True)
-        mu = comp = None
-        if compensate:
-            ws = self.workspace_buffer
-            mu_bytes = batch * num_qo_heads * head_dim * 4
-            mu = ws[:mu_bytes].view(torch.float32)
-            comp_off = _align(mu_bytes)
-            comp = ws[comp_off: comp_off + max(4, num_qo_heads * total_kv * 4)].view(torch.float32)
-        comp_grid_x = max(1, min(4096, -(-max(kv_lengths + [1]) // 8)))
-        return dict(fn=fn, device_index=dev_index, num_tiles=len(tiles), total_kv=total_kv, mu=mu, comp=comp,
-                    comp_grid_x=comp_grid_x)
+        ws = self.workspace_buffer
+        sections = {name: ws[off: off + max(16, size)] for name, (off, size) in layout.items()}
+        return dict(fn=fn, device_index=dev_index, num_tiles=len(tiles), num_kv_tiles=len(kvt_req),
+                    sections=sections, compensate=compensate)
 
     def run(self, q: torch.Tensor, kv, *, out: torch.Tensor | None = None, return_lse: bool = False):
         """Attention of ``q [total_q, num_qo_heads, head_dim]`` (bf16) over ``kv``; returns o (and lse)."""
@@ -167,12 +197,14 @@ class BatchPrefillWrapper:
     def _run_kernel(self, q, kv, out, return_lse):
         p, buf = self._plan, self._buffers
         out, lse = kernel_outputs(q, out, return_lse)
-        f = kv.fields
+        f, ws = kv.fields, p["sections"]
         p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["qo_indptr"].data_ptr(),
                 buf["kv_indptr"].data_ptr(), buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(),
-                buf["kv_offset"].data_ptr(), buf["tile_req"].data_ptr(), buf["tile_q"].data_ptr(), p["num_tiles"],
-                p["paged"].batch_size, p["num_qo_heads"], p["num_kv_heads"], p["total_kv"], p["comp_grid_x"],
-                int(p["causal"]), p["sm_scale"], _ptr(p["mu"]), _ptr(p["comp"]), out.data_ptr(), out.stride(0),
-                out.stride(1), _ptr(lse), p["device_index"], torch.cuda.current_stream(q.device).cuda_stream)
+                buf["kv_tile_base"].data_ptr(), buf["tile_req"].data_ptr(), buf["tile_q"].data_ptr(),
+                buf["kvt_req"].data_ptr(), buf["kvt_idx"].data_ptr(), p["num_tiles"], p["num_kv_tiles"],
+                p["paged"].batch_size, p["num_qo_heads"], p["num_kv_heads"], int(p["causal"]), p["sm_scale"],
+                _ptr(ws.get("mu")), _ptr(ws.get("k_img")), _ptr(ws.get("v_img")), _ptr(ws.get("fa")),
+                _ptr(ws.get("fb")), out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
+                torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

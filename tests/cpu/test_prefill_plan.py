@@ -1,6 +1,6 @@
 """The prefill kernel's host side without a GPU: specs, the tile schedule, workspace sizing, the
 template's rendering, and nvcc builds for sm_90a with a SASS check (QGMMA for the FP8 recipes,
-HGMMA for bf16, cp.async, nothing spilled)."""
+HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled)."""
 import re
 import subprocess
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mpfa_jit
-from mpfa.prefill import Q_TILE, BatchPrefillWrapper, tile_schedule, workspace_bytes
+from mpfa.prefill import KV_TILE, Q_TILE, BatchPrefillWrapper, kv_tiles, tile_schedule, workspace_bytes, workspace_layout
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import prefill as prefill_op
 from mpfa_jit.render import render
@@ -19,6 +19,12 @@ ARCH = "sm_90a"
 def test_q_tile_matches_the_kernel():
     src = render("prefill.cu.jinja", {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16, "arch": ARCH})
     assert f"constexpr int kBM = {Q_TILE};" in src
+
+
+def test_kv_tile_matches_the_kernel():
+    assert KV_TILE == {"bf16": 64, "qk8pv8": 128, "qk4pv8": 128}
+    src = render("prefill.cu.jinja", {"recipe": "bf16", "head_dim": 128, "page_size": 16, "arch": ARCH})
+    assert "constexpr int kBN = kQuant ? 128 : 64;" in src and "constexpr int kRecipe = 0;" in src
 
 
 def test_specs_and_unsupported_shapes():
@@ -58,10 +64,22 @@ def test_tile_schedule_covers_every_row_once_longest_first():
     assert tile_schedule([], [], True) == []
 
 
-def test_workspace_bytes():
-    assert workspace_bytes(4, 32, 128, 1000, False) == 0
-    n = workspace_bytes(4, 32, 128, 1000, True)
-    assert n >= 4 * 32 * 128 * 4 + 32 * 1000 * 4 and n % 256 == 0
+def test_workspace_layout():
+    lens = [1000, 1, 128]
+    assert kv_tiles(lens, "qk4pv8") == [8, 1, 1] and kv_tiles(lens, "bf16") == [16, 1, 2]
+    n = 10   # KV tiles of the FP8 recipes
+    lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True)
+    assert lay["k_img"][1] == lay["v_img"][1] == n * 8 * 128 * 128
+    assert lay["fa"][1] == n * 8 * 128 * 4 and lay["fb"][1] == n * 32 * 128 * 4 and lay["mu"][1] == 3 * 32 * 128 * 4
+    spans = sorted(lay.values())
+    assert all(o % 256 == 0 for o, _ in spans)
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # no overlap
+    total = workspace_bytes(3, 32, 8, 128, lens, "qk4pv8", True)
+    assert total >= spans[-1][0] + spans[-1][1] and total % 256 == 0
+    assert set(workspace_layout(3, 32, 8, 128, lens, "qk4pv8", False)) == {"k_img", "v_img", "fa"}
+    bf = workspace_layout(3, 32, 8, 128, lens, "bf16", True)                # no compensation for bf16
+    assert set(bf) == {"k_img", "v_img"} and bf["k_img"][1] == 19 * 8 * 64 * 128 * 2
+    assert workspace_bytes(0, 32, 8, 128, [], "qk8pv8", True) == 0
 
 
 def test_plan_on_cpu_needs_reference_backend():
@@ -87,14 +105,16 @@ def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mm
     lib = str(mpfa_jit.Store(jit_cache).library(uri))
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
                            env=tool_env).stdout
-    for fn in ("prefill_kernel", "compensation_kernel", "q_mean_kernel"):
+    for fn in ("prefill_kernel", "kv_pack_kernel", "q_mean_kernel"):
         part = usage[usage.index(fn):]
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", part)
         assert m and m.group(2) == "0" and m.group(3) == "0", part[:300]
     sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
     assert sass.returncode == 0, sass.stderr
     assert mma in sass.stdout                                        # QK on the tensor cores (wgmma)
-    pv = "QGMMA.64x64x32.F32.E4M3.E4M3" if recipe != "bf16" else f"HGMMA.64x{head_dim}x16.F32.BF16"
+    pv = (f"QGMMA.64x{head_dim}x32.F32.E4M3.E4M3" if recipe != "bf16" else f"HGMMA.64x{head_dim}x16.F32.BF16")
     assert pv in sass.stdout                                         # PV on the tensor cores, P from registers
-    assert "LDGSTS" in sass.stdout                                   # cp.async of the paged K/V
+    assert "UBLKCP.S.G" in sass.stdout                               # bulk copies of the tile images
+    assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass.stdout           # mbarrier waits
+    assert "USETMAXREG.DEALLOC" in sass.stdout and "USETMAXREG.TRY_ALLOC" in sass.stdout   # producer/consumers
     assert "LDL" not in sass.stdout and "STL" not in sass.stdout     # nothing spilled

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..decode import BatchDecodeWrapper, choose_num_splits
-from ..prefill import BatchPrefillWrapper
+from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_bytes
 from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
 from .page_table import build_page_table, page_table_capacity
 from .plugin import attn_tp_size, sglang_attr, sglang_version
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 AttentionBackend = sglang_attr("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend")
 
-WORKSPACE_BYTES = 128 << 20
+WORKSPACE_BYTES = 128 << 20   # decode splits and small extends; an extend batch over more keys grows it
 
 
 def _attn_type_value(layer) -> str:
@@ -124,11 +124,28 @@ class MpfaAttnBackend(AttentionBackend):
             lens = forward_batch.extend_seq_lens_cpu
             qo = torch.zeros(bs + 1, dtype=torch.int32)
             qo[1:] = torch.cumsum(torch.as_tensor(list(lens), dtype=torch.int32), 0)
+            self._fit_prefill_workspace(forward_batch)
             self.prefill_wrapper.plan(qo.to(self.device, non_blocking=True), indptr, indices, last, self.num_qo_heads,
                                       self.num_kv_heads, self.head_dim, self.page_size, causal=True,
                                       sm_scale=self.sm_scale, recipe=self.recipe,
                                       compensation=self.settings.compensation)
             self._active = self.prefill_wrapper
+
+    def _fit_prefill_workspace(self, forward_batch):
+        """The extend kernel's workspace holds MMA-ready images of every key of the batch (about 2 bytes
+        per K/V element, mpfa.prefill.workspace_layout): grow the prefill wrapper's buffer when a batch
+        needs more. Extend batches are never graph-captured, so replacing the buffer is safe."""
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        if lens is None:
+            return
+        lens = [int(x) for x in lens]
+        need = prefill_workspace_bytes(len(lens), self.num_qo_heads, self.num_kv_heads, self.head_dim, lens,
+                                       self.recipe, self.settings.compensation)
+        if need > self.prefill_wrapper.workspace_buffer.numel():
+            size = max(need, 2 * self.prefill_wrapper.workspace_buffer.numel())
+            logger.info("mpfa backend: extend workspace grows to %.0f MiB (%d keys in the batch)", size / 2**20,
+                        sum(lens))
+            self.prefill_wrapper.workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
 
     # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
