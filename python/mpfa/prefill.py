@@ -37,6 +37,11 @@ def _align(n: int) -> int:
 
 
 KV_TILE = {"bf16": 64, "qk8pv8": 128, "qk4pv8": 128}   # keys per KV tile image (the kernel's kBN)
+MU_ROWS = 128   # query rows per block of the mu_Q partial sums (the kernel's kMuRows)
+
+
+def mu_blocks(qo_lens) -> int:
+    return -(-max(qo_lens, default=0) // MU_ROWS)
 
 
 def kv_tiles(kv_lengths, recipe: str) -> list[int]:
@@ -45,10 +50,12 @@ def kv_tiles(kv_lengths, recipe: str) -> list[int]:
 
 
 def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
-                     recipe: str, compensation: bool) -> dict[str, tuple[int, int]]:
+                     recipe: str, compensation: bool, max_qo_len: int = 0) -> dict[str, tuple[int, int]]:
     """Byte (offset, size) of each workspace section the kernel path uses: the K and V^T tile images
     (n_kv_tiles x Hkv x KV_TILE x head_dim elements each), the per-key factors fa (quantized
-    recipes), and with compensation mu_Q [batch, Hq, D] and fb [n_kv_tiles, Hq, KV_TILE] (fp32)."""
+    recipes), and with compensation mu_Q [batch, Hq, D], its partial sums [blocks of MU_ROWS rows of
+    the longest chunk (``max_qo_len``; at most the longest KV), batch, Hq, D] and fb [n_kv_tiles, Hq,
+    KV_TILE] (fp32)."""
     n = sum(kv_tiles(kv_lengths, recipe))
     tile = KV_TILE[recipe]
     elt = 2 if recipe == "bf16" else 1
@@ -57,6 +64,8 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
         sizes["fa"] = n * num_kv_heads * tile * 4
         if compensation:
             sizes["mu"] = batch_size * num_qo_heads * head_dim * 4
+            rows = max_qo_len or max(kv_lengths, default=0)
+            sizes["mu_part"] = mu_blocks([rows]) * batch_size * num_qo_heads * head_dim * 4
             sizes["fb"] = n * num_qo_heads * tile * 4
     layout, off = {}, 0
     for name, size in sizes.items():
@@ -66,11 +75,12 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
 
 
 def workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
-                    recipe: str, compensation: bool) -> int:
+                    recipe: str, compensation: bool, max_qo_len: int = 0) -> int:
     """Workspace the kernel path needs (see workspace_layout): about 2 bytes per K/V element of the
     batch's keys for the FP8 recipes (4 for bf16), plus 4 bytes per key and query head with
     compensation."""
-    layout = workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe, compensation)
+    layout = workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe, compensation,
+                              max_qo_len)
     return _align(max((o + n for o, n in layout.values()), default=0))
 
 
@@ -146,8 +156,11 @@ class BatchPrefillWrapper:
         batch = paged.batch_size
         kv_lengths = paged.kv_lengths
         compensate = bool(compensation and recipe_.quantized_q)
-        layout = workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate)
-        need = workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate)
+        max_qo = max(qo_lens, default=0)
+        layout = workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
+                                  max_qo)
+        need = workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
+                               max_qo)
         check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query / {num_kv_heads} "
                         f"KV heads, head_dim {head_dim}, {sum(kv_lengths)} KV tokens, recipe {recipe_.name}"
                         + (", compensation" if compensate else ""))
@@ -176,7 +189,7 @@ class BatchPrefillWrapper:
         ws = self.workspace_buffer
         sections = {name: ws[off: off + max(16, size)] for name, (off, size) in layout.items()}
         return dict(fn=fn, device_index=dev_index, num_tiles=len(tiles), num_kv_tiles=len(kvt_req),
-                    sections=sections, compensate=compensate)
+                    sections=sections, compensate=compensate, mu_blocks=mu_blocks(qo_lens) if compensate else 0)
 
     def run(self, q: torch.Tensor, kv, *, out: torch.Tensor | None = None, return_lse: bool = False):
         """Attention of ``q [total_q, num_qo_heads, head_dim]`` (bf16) over ``kv``; returns o (and lse)."""
@@ -204,7 +217,7 @@ class BatchPrefillWrapper:
                 buf["kv_tile_base"].data_ptr(), buf["tile_req"].data_ptr(), buf["tile_q"].data_ptr(),
                 buf["kvt_req"].data_ptr(), buf["kvt_idx"].data_ptr(), p["num_tiles"], p["num_kv_tiles"],
                 p["paged"].batch_size, p["num_qo_heads"], p["num_kv_heads"], int(p["causal"]), p["sm_scale"],
-                _ptr(ws.get("mu")), _ptr(ws.get("k_img")), _ptr(ws.get("v_img")), _ptr(ws.get("fa")),
-                _ptr(ws.get("fb")), out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
-                torch.cuda.current_stream(q.device).cuda_stream)
+                p["mu_blocks"], _ptr(ws.get("mu_part")), _ptr(ws.get("mu")), _ptr(ws.get("k_img")),
+                _ptr(ws.get("v_img")), _ptr(ws.get("fa")), _ptr(ws.get("fb")), out.data_ptr(), out.stride(0),
+                out.stride(1), _ptr(lse), p["device_index"], torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

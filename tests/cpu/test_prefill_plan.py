@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mpfa_jit
-from mpfa.prefill import KV_TILE, Q_TILE, BatchPrefillWrapper, kv_tiles, tile_schedule, workspace_bytes, workspace_layout
+from mpfa.prefill import KV_TILE, MU_ROWS, Q_TILE, BatchPrefillWrapper, kv_tiles, tile_schedule, workspace_bytes, workspace_layout
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import prefill as prefill_op
 from mpfa_jit.render import render
@@ -25,6 +25,7 @@ def test_kv_tile_matches_the_kernel():
     assert KV_TILE == {"bf16": 64, "qk8pv8": 128, "qk4pv8": 128}
     src = render("prefill.cu.jinja", {"recipe": "bf16", "head_dim": 128, "page_size": 16, "arch": ARCH})
     assert "constexpr int kBN = kQuant ? 128 : 64;" in src and "constexpr int kRecipe = 0;" in src
+    assert f"constexpr int kMuRows = {MU_ROWS};" in src
 
 
 def test_specs_and_unsupported_shapes():
@@ -68,13 +69,14 @@ def test_workspace_layout():
     lens = [1000, 1, 128]
     assert kv_tiles(lens, "qk4pv8") == [8, 1, 1] and kv_tiles(lens, "bf16") == [16, 1, 2]
     n = 10   # KV tiles of the FP8 recipes
-    lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True)
+    lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     assert lay["k_img"][1] == lay["v_img"][1] == n * 8 * 128 * 128
     assert lay["fa"][1] == n * 8 * 128 * 4 and lay["fb"][1] == n * 32 * 128 * 4 and lay["mu"][1] == 3 * 32 * 128 * 4
+    assert lay["mu_part"][1] == 3 * 3 * 32 * 128 * 4          # ceil(300 / MU_ROWS) blocks per request
     spans = sorted(lay.values())
     assert all(o % 256 == 0 for o, _ in spans)
     assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # no overlap
-    total = workspace_bytes(3, 32, 8, 128, lens, "qk4pv8", True)
+    total = workspace_bytes(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     assert total >= spans[-1][0] + spans[-1][1] and total % 256 == 0
     assert set(workspace_layout(3, 32, 8, 128, lens, "qk4pv8", False)) == {"k_img", "v_img", "fa"}
     bf = workspace_layout(3, 32, 8, 128, lens, "bf16", True)                # no compensation for bf16
