@@ -2,7 +2,8 @@
 // in-register conversions of the cache formats into MMA fragments.
 //
 // Exactness: e4m3 and block_scale * e2m1 (block scales 2^e or 1.5 * 2^e, |product| <= 384) are
-// exactly representable in fp16, so quantized K and V run fp16 MMAs with no rounding of the cache;
+// exactly representable in fp16, so quantized K and V run fp16 MMAs with no rounding of the cache
+// (4-bit K is built as (e2m1 * 2^-6) * (block_scale * 2^6): both factors and the product exact);
 // bf16 Q is converted to fp16 (exact in fp16's normal range; the kernel pre-scales Q by a power
 // of two when its amax is large).
 #pragma once
@@ -74,6 +75,14 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return r;
 }
 
+// (a & mask) | (b & ~mask) as one lop3.b32 (LUT 0xE4 = (0xF0 & 0xAA) | (0xCC & ~0xAA)).
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t lop3_select(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;\n" : "=r"(r) : "r"(a), "r"(b), "n"(kMask));
+  return r;
+}
+
 // Two e4m3 bytes (low byte -> low half) to f16x2, exactly (cvt.rn.f16x2.e4m3x2, sm_89+).
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
   uint32_t r;
@@ -88,22 +97,39 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t four_bytes) {
   return r;
 }
 
-// Eight E2M1 nibbles (element i in nibble i) -> four f16x2 words (elements 2k, 2k+1 in word k),
-// unscaled. Magnitudes come from a byte table with prmt (fp16 of 0..6 has a zero low byte); the sign
-// bit is moved into place with a second prmt. All selectors have nibbles < 8 (see prmt above).
-__device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t x, uint32_t (&out)[4]) {
-  constexpr uint32_t kLutLo = 0x3E3C3800u;   // fp16 high bytes of 0, 0.5, 1, 1.5
-  constexpr uint32_t kLutHi = 0x46444240u;   // of 2, 3, 4, 6
-  const uint32_t xs = x << 4;
-  const uint32_t even = xs & 0x70707070u;    // |code| of element 2k in bits 4..6 of byte k
-  const uint32_t odd = x & 0x70707070u;      // |code| of element 2k+1 in bits 4..6 of byte k
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t sel = prmt(even, odd, k | ((4 + k) << 4));          // nibbles 1, 3 = codes; 0, 2 = 0
-    const uint32_t mag = prmt(kLutLo, kLutHi, sel);                    // bytes 1, 3 = fp16 highs
-    const uint32_t sgn = prmt(xs, x, (k << 4) | ((4 + k) << 12));      // bits 15, 31 = signs
-    out[k] = mag | (sgn & 0x80008000u);
-  }
+// Eight E2M1 nibbles (element i in nibble i, sign << 3 | code) -> four f16x2 words holding
+// e2m1 * 2^-6 exactly, in the pairs (0, 2), (4, 6), (1, 3), (5, 7) (callers permute Q the same way).
+// Why it is cheap: an E2M1 code placed at bits 2..4 of a byte, with its sign at bit 7, is the E4M3
+// byte of e2m1 * 2^-6 for every code (codes 0 and 1 land on E4M3's zero and subnormal 2^-7, as the
+// E2M1 zero and subnormal 0.5 need), so one shift + one masked merge per 4 nibbles builds E4M3 bytes
+// and the hardware's e4m3x2 -> f16x2 conversion does the rest: 10 instructions per 8 values, where a
+// byte table per nibble pair took 19 (and 2 registers of table constants).
+__device__ __forceinline__ void e2m1x8_to_f16x2_scaled(uint32_t x, uint32_t (&out)[4]) {
+  constexpr uint32_t kCode = 0x1C1C1C1Cu;    // bits 2..4 of each byte: the E2M1 code
+  const uint32_t sg = x & 0x88888888u;       // signs of both nibbles of each byte (bits 3, 7)
+  // (a & kCode) | (b & ~kCode) in one lop3: the sign terms have nothing outside kCode but bit 7 of
+  // each byte (their bit 3 lies inside kCode). Written in C, the compiler rewrites (sg << 4) & ~kCode
+  // as (x << 4) & 0x80808080 and splits the merge into two lop3s; and ptxas re-derives sg << 4 from x
+  // (two instructions) unless it is a rotate, whose wrapped-around bit (31 -> 3) kCode drops anyway.
+  const uint32_t even = lop3_select<kCode>(x << 2, __funnelshift_l(sg, sg, 4));   // nibble 2k -> byte k
+  const uint32_t odd = lop3_select<kCode>(x >> 2, sg);         // nibble 2k+1 -> byte k
+  out[0] = e4m3x2_to_f16x2(even);
+  out[1] = e4m3x2_hi_to_f16x2(even);
+  out[2] = e4m3x2_to_f16x2(odd);
+  out[3] = e4m3x2_hi_to_f16x2(odd);
+}
+// Local element (of 8 per word) in the low / high half of output word k above.
+__host__ __device__ constexpr int e2m1x8_pair_lo(int k) { return (k & 1) * 4 + (k >> 1); }
+__host__ __device__ constexpr int e2m1x8_pair_hi(int k) { return e2m1x8_pair_lo(k) + 2; }
+
+// (lo, lo) and (hi, hi) of an f16x2: ptxas folds these into HMUL2's operand swizzle (.H0_H0 / .H1_H1).
+__device__ __forceinline__ uint32_t low_half2(uint32_t a) {
+  __half2 h = __low2half2(*reinterpret_cast<__half2*>(&a));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t high_half2(uint32_t a) {
+  __half2 h = __high2half2(*reinterpret_cast<__half2*>(&a));
+  return *reinterpret_cast<uint32_t*>(&h);
 }
 
 __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
