@@ -72,6 +72,9 @@ def merge_repeats(runs: Sequence[Sequence[dict]]) -> list[dict]:
             merged.append(dict(bad[0]))
             continue
         out = dict(row)
+        if any("ms" not in r for r in reps):   # not a timing row (e.g. the jit suite's build/load facts)
+            merged.append(out)
+            continue
         ms_runs = [float(r["ms"]) for r in reps]
         out["ms"] = median(ms_runs)
         if all("ms_min" in r for r in reps):

@@ -278,6 +278,8 @@ def test_merge_repeats_records_spread():
     assert stats.merge_repeats([a]) == a and stats.max_spread(a) is None
     with pytest.raises(ValueError, match="missing"):
         stats.merge_repeats([a, a[:1]])
+    facts = [{"id": "cold build", "build_s": 1.9, "status": "ok"}]   # a row with no timing: kept as run 1 has it
+    assert stats.merge_repeats([facts, [dict(facts[0], build_s=2.1)]]) == facts
 
 
 def test_repeat_spread_reaches_the_summary():
