@@ -74,8 +74,10 @@ def synthetic(context: int, q_len: int, heads: int, kv_heads: int, head_dim: int
 # ---------------------------------------------------------------------------------------------
 # the cache path
 
-def _workspace(device):
-    return torch.empty(128 << 20 if torch.device(device).type == "cuda" else 1, dtype=torch.uint8, device=device)
+def _workspace(device, prefill_need: int = 0):
+    """Decode splits fit in 128 MiB; the prefill kernel's tile images grow with the context."""
+    size = max(128 << 20, prefill_need) if torch.device(device).type == "cuda" else 1
+    return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def build_cache(recipe: str, k: torch.Tensor, v: torch.Tensor, *, smoothing: bool, page_size: int = PAGE_SIZE,
@@ -117,7 +119,9 @@ def run_prefill(cache, order, q, m: int, *, compensation: bool, sm_scale=None):
     args = (order, m, q_len, heads, cache.num_kv_heads, d, cache.page_size, cache.recipe.name, compensation, sm_scale)
     note = None
     if q.device.type == "cuda":
-        w = mpfa.BatchPrefillWrapper(_workspace(q.device))
+        need = mpfa.prefill.workspace_bytes(1, heads, cache.num_kv_heads, d, [m], cache.recipe.name,
+                                            bool(compensation), q_len)
+        w = mpfa.BatchPrefillWrapper(_workspace(q.device, need))
         try:
             _prefill_plan(w, *args)
         except UnknownKernelError as e:
