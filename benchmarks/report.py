@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import sys
 from pathlib import Path
 
 from benchmarks import results_io, suites
+from benchmarks.accuracy import summary as accuracy_summary
 
 BEGIN = "<!-- bench:begin -->"
 END = "<!-- bench:end -->"
@@ -118,13 +120,17 @@ def render_result(name: str, result: dict, *, image_rel: str | None = None) -> s
     """Markdown for one results file: heading, meta, ceilings, summary, table, plot."""
     suite = suites.for_result(name, result["meta"])
     rows = [r for r in result["rows"] if r.get("kind") != "ceiling"]
-    columns = getattr(suite, "TABLE", None) or generic_columns(rows)
     lines = [f"### {name}", "", meta_line(result["meta"]), ""]
     ceil = ceilings_line(result["rows"])
     if ceil:
         lines += [ceil, ""]
-    lines += [summary_line(result["summary"]), ""]
-    lines += table(rows, columns)
+    if name == accuracy_summary.RESULT:   # hundreds of rows: the per-recipe table stands for them
+        lines += [summary_line({k: v for k, v in result["summary"].items() if k != "recipes"}), ""]
+        lines += accuracy_summary.recipe_table(result["summary"])
+        lines += ["", f"{len(rows)} rows in `benchmarks/results/{name}.json`."]
+    else:
+        lines += [summary_line(result["summary"]), ""]
+        lines += table(rows, getattr(suite, "TABLE", None) or generic_columns(rows))
     if image_rel:
         lines += ["", f"![{name}]({image_rel})"]
     return "\n".join(lines)
@@ -166,12 +172,24 @@ def suite_results(results_dir: Path | str):
             yield path, result, suite
 
 
+def _same(a, b) -> bool:
+    """Equal, with floats compared to 1e-9 relative: a geometric mean's last bit differs between the
+    device's Python and this one's."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
+
+
 def summary_mismatches(results_dir: Path | str) -> list[str]:
     """Files whose stored summary differs from their suite's summarize(rows) now."""
     bad = []
     for path, result, suite in suite_results(results_dir):
         want = results_io.normalize(suite.summarize(result["rows"]))
-        if want != results_io.normalize(result["summary"]):
+        if not _same(want, results_io.normalize(result["summary"])):
             bad.append(f"{path.name}: summary differs from {suite.__name__}.summarize(rows)"
                        " (run python -m benchmarks.report --resummarize)")
     return bad

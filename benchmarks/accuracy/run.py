@@ -28,9 +28,10 @@ from benchmarks import meta as meta_mod
 from benchmarks import results_io
 
 from . import data, kernel
+from . import summary as summary_mod
 from .summary import summarize
 
-RESULT = "accuracy"
+RESULT = summary_mod.RESULT
 MODEL_CONFIGS = (  # (impl, recipe, compensation, smoothing)
     ("mpfa", "bf16", None, None),              # the baseline: first, its log-probs serve the KL
     ("stock", None, None, None),

@@ -25,6 +25,7 @@ compensation that compensation removes:
 """
 from __future__ import annotations
 
+RESULT = "accuracy"   # benchmarks/results/accuracy.json
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 NOISE_PPL = 0.002
 
@@ -131,3 +132,28 @@ def summarize(rows: list[dict]) -> dict:
     out["errors"] = sum(1 for r in all_rows if r.get("status") == "error")
     out["skipped"] = sum(1 for r in all_rows if r.get("status") == "skipped")
     return out
+
+
+RECIPE_COLUMNS = (   # (header, key in summary["recipes"][recipe], format)
+    ("kernel rel-L2, real (comp on)", "kernel_rel_l2_real", "{:.4f}"),
+    ("comp off", "kernel_rel_l2_real_no_comp", "{:.4f}"),
+    ("K smoothing off", "kernel_rel_l2_real_no_smoothing", "{:.4f}"),
+    ("kernel rel-L2, outliers", "kernel_rel_l2_outlier", "{:.4f}"),
+    ("ppl", "ppl", "{:.3f}"),
+    ("ppl increase", "ppl_increase", "{:+.1%}"),
+    ("KL (nats)", "kl", "{:.4f}"),
+    ("top-1 agree", "top1_agree", "{:.3f}"),
+)
+
+
+def recipe_table(summary: dict) -> list[str]:
+    """The per-recipe table of ``summary["recipes"]`` as markdown lines (needle accuracy per length last)."""
+    recipes = summary.get("recipes") or {}
+    lengths = sorted({int(k) for r in recipes.values() for k in (r.get("needle") or {})})
+    head = ["recipe"] + [h for h, _, _ in RECIPE_COLUMNS] + [f"needle {n // 1024}K" for n in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in recipes.items():
+        cells = [name] + ["—" if r.get(k) is None else fmt.format(r[k]) for _, k, fmt in RECIPE_COLUMNS]
+        cells += ["—" if (r.get("needle") or {}).get(str(n)) is None else f"{r['needle'][str(n)]:.0%}" for n in lengths]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
