@@ -225,12 +225,26 @@ def test_no_results_leaves_an_empty_section(tmp_path):
 
 
 def test_files_of_other_scripts_get_a_generic_table(tmp_path):
-    results_io.write("accuracy", {"command": "python -m x"}, {"worst_rel_l2": 0.004},
+    results_io.write("e2e_sglang_h200", {"command": "python -m x"}, {"worst_rel_l2": 0.004},
                      [{"recipe": "qk4pv8", "rel_l2": 0.004, "cos": 0.99999}], tmp_path)
     section = report.render_section(tmp_path, tmp_path)
-    assert "### accuracy" in section
+    assert "### e2e_sglang_h200" in section
     assert parse_table(section, "recipe") == [{"recipe": "qk4pv8", "rel_l2": "0.004",
                                                "cos": "1"}]
+
+
+def test_accuracy_results_get_the_per_recipe_table(tmp_path):
+    summary = {"ppl_increase_qk4pv8": 0.03, "recipes": {
+        "bf16": {"kernel_rel_l2_real": 0.0017, "ppl": 6.7, "ppl_increase": 0.0, "needle": {"2048": 1.0}},
+        "qk4pv8": {"kernel_rel_l2_real": 0.25, "ppl": 6.9, "ppl_increase": 0.03, "kl": 0.1, "needle": {"2048": 0.6}}}}
+    rows = [{"id": f"r{i}", "rel_l2": 0.1} for i in range(300)]
+    results_io.write("accuracy", {"command": "python -m benchmarks.accuracy.run"}, summary, rows, tmp_path)
+    section = report.render_section(tmp_path, tmp_path)
+    table = parse_table(section, "recipe")
+    assert [r["recipe"] for r in table] == ["bf16", "qk4pv8"]
+    assert table[1]["ppl increase"] == "+3.0%" and table[1]["needle 2K"] == "60%" and table[0]["KL (nats)"] == "—"
+    assert "300 rows in `benchmarks/results/accuracy.json`" in section and "r299" not in section
+    assert "recipes." not in section                                   # the table, not a flattened summary
 
 
 def test_results_schema_is_enforced(tmp_path):
