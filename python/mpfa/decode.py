@@ -34,7 +34,7 @@ MAX_SPLITS = 128
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, *,
-                      ctas_per_sm: int = 4, max_splits: int = MAX_SPLITS) -> int:
+                      ctas_per_sm: int = 2, max_splits: int = MAX_SPLITS) -> int:
     """Adaptive partitioning: split each request's KV when batch_size * num_kv_heads CTAs cannot
     keep ``ctas_per_sm`` CTAs on every SM. Among split counts from the smallest that fills the
     machine to twice that, take the one with the best SM balance (CTAs / (SMs * ceil(CTAs / SMs))),
