@@ -3,6 +3,7 @@ format would cost less.
 
     python -m benchmarks.accuracy.error_budget [--contexts 1024 2048] [--q-len 256] [--out /tmp/mpfa-error-budget]
                                                [--no-model] [--no-synthetic] [--data-dir DIR]
+                                               [--model-tokens N] [--model-configs C ...] [--model-dtype float32]
 
 Inputs: Q/K/V after RoPE of every layer of SmolLM2-135M on KJV text (:func:`.model.capture`; the last
 ``q_len`` tokens of a ``context`` as queries, causal), and the synthetic ``gaussian`` / ``outlier``
@@ -28,7 +29,9 @@ Sources, alone and combined (names are the row ``config``):
            the named K format on K' (``eqk4``, ``eqk4t``, ...);
   ``k4m``  the implemented format (same bytes, same exact-on-FP8 products), but each block takes the
            better of two allowed scales (rounded up, or the next one below with the max saturating);
+  ``k4r``  RoPE-aware: the low-frequency half of the channels FP8 per token, the other half ``k4e``;
   ``~s``   suffix: the first 16 keys (one page: the attention-sink token) in FP8 per token;
+           ``~b``: the same page kept exact (bf16, un-smoothed: the kernel would subtract mu_K . Q there);
   ``k8``   FP8 per token (``qk8pv8``'s K).
 * P: ``p8`` FP8 after exp with the static offset 448 (``e4m3(p * 448) / 448``).
 * V: ``v8`` FP8 with per-(KV head, channel) scales 2 * amax / 448 from the context's values.
@@ -43,7 +46,8 @@ and the score error of key 0 relative to the p-weighted mean error (``sink_logit
 Model level: perplexity and KL(exact || config) of SmolLM2 on KJV with every layer's attention
 replaced by the configuration (registered as transformers attention ``"mpfa_budget"``; mu_K and the
 other calibrated scales come from the same forward, as :class:`.model.MpfaSession` calibrates from
-the first prefill). Writes ``<out>/error_budget.json`` with :func:`benchmarks.results_io.write`.
+the first prefill; ``--model-dtype float32`` halves the CPU time of long sequences). Writes
+``<out>/error_budget.json`` with :func:`benchmarks.results_io.write`.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ from mpfa.reference.attention import P_SCALE, _run, attention
 from .metrics import ErrorAccumulator
 
 Q_TILE = 128
+Q_BLOCK = 512        # causal query rows per reference call: keys past the block's last row are never read
 SINK_TOKENS = 16     # "~s": the first page of keys stored as FP8 per token instead of 4-bit
 N_CAL = 128          # "first": mu_K from the first 128 tokens of the context
 
@@ -127,6 +132,18 @@ def k8(x: torch.Tensor) -> torch.Tensor:
     return q.float() * s.unsqueeze(-1)
 
 
+def k4r(x: torch.Tensor) -> torch.Tensor:
+    """RoPE-aware split (rotate_half layout: channel c pairs with c + D/2, frequency falls with c mod D/2):
+    the low-frequency half (c mod D/2 >= D/4, where the large-mean channels sit) FP8 per token, the
+    high-frequency half ``k4e`` (E4M3 block scales, 16-channel blocks). Two per-token scales."""
+    d = x.shape[-1]
+    low = (torch.arange(d) % (d // 2)) >= d // 4
+    out = torch.empty_like(x, dtype=torch.float32)
+    out[..., low] = k8(x[..., low])
+    out[..., ~low] = k4(x[..., ~low], scales="e4m3")
+    return out
+
+
 K_FORMATS = {
     "k4": lambda x: k4(x),
     "k4e": lambda x: k4(x, scales="e4m3"),
@@ -135,6 +152,7 @@ K_FORMATS = {
     "k4b8e": lambda x: k4(x, block=8, scales="e4m3"),
     "k4m": lambda x: k4(x, scales="restricted_mse"),
     "k4t": lambda x: k4(x, scales="none"),
+    "k4r": k4r,
     "k8": k8,
 }
 
@@ -162,11 +180,12 @@ def parse(name: str) -> dict:
         elif part == "v8":
             cfg["v"] = True
         else:
-            m = re.fullmatch(r"(eq)?(k\w+?)(?:@(none|first|all))?(~s)?", part)
+            m = re.fullmatch(r"(eq)?(k\w+?)(?:@(none|first|all))?(~s|~b)?", part)
             if not m or m.group(2) not in K_FORMATS:
                 raise ValueError(f"unknown part {part!r} in {name!r}")
             cfg["k"], cfg["eq"], cfg["mu"] = m.group(2), bool(m.group(1)), m.group(3) or "none"
             cfg["sink"] = bool(m.group(4))
+            cfg["sink_exact"] = m.group(4) == "~b"
     return cfg
 
 
@@ -220,7 +239,8 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
             qf = qf * _expand(t.unsqueeze(0), heads)[0]
         k_eff = K_FORMATS[cfg["k"]](ks)
         if cfg["sink"]:      # the first page (the attention-sink token and its neighbours) in FP8 per token
-            k_eff = torch.cat([k8(ks[:SINK_TOKENS]), k_eff[SINK_TOKENS:]])
+            sink = ks[:SINK_TOKENS] if cfg.get("sink_exact") else k8(ks[:SINK_TOKENS])   # "~b": kept exact (bf16)
+            k_eff = torch.cat([sink, k_eff[SINK_TOKENS:]])
     else:
         k_eff = kf
     ke = _expand(k_eff.to(dtype), heads)
@@ -245,8 +265,24 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
     else:
         def p_quant(p):
             return p
-    o, _ = _run(q_eff, ke, _expand(v_eff.to(dtype), heads), bias, causal=causal, sm_scale=sm_scale, p_quant=p_quant)
+    o = _run_blocked(q_eff, ke, _expand(v_eff.to(dtype), heads), bias, causal=causal, sm_scale=sm_scale,
+                     p_quant=p_quant)
     return o, k_eff
+
+
+def _run_blocked(q, k, v, bias, *, causal, sm_scale, p_quant):
+    """:func:`_run` over causal blocks of ``Q_BLOCK`` query rows, each with only the keys it can see
+    (the masked rest of a row adds exact zeros): the same numbers, about half the work at n = m."""
+    n, m = q.shape[0], k.shape[0]
+    if not causal or n <= Q_BLOCK:
+        return _run(q, k, v, bias, causal=causal, sm_scale=sm_scale, p_quant=p_quant)[0]
+    out = []
+    for s in range(0, n, Q_BLOCK):
+        e = min(n, s + Q_BLOCK)
+        mk = m - n + e
+        out.append(_run(q[s:e], k[:mk], v[:mk], None if bias is None else bias[:, :mk], causal=True,
+                        sm_scale=sm_scale, p_quant=p_quant)[0])
+    return torch.cat(out)
 
 
 def budget(inputs, configs=ALL_CONFIGS, *, contexts=None, n_cal: int = N_CAL, sm_scale=None) -> dict:
@@ -271,7 +307,13 @@ def budget(inputs, configs=ALL_CONFIGS, *, contexts=None, n_cal: int = N_CAL, sm
 # diagnostics: why does K smoothing hurt?
 
 def k_diagnostics(inputs, n_cal: int = N_CAL, sm_scale=None) -> list[dict]:
-    """Per (layer, KV head): large-mean channels, amax, K error and the logit noise it causes."""
+    """Per (layer, KV head): large-mean channels, amax, K error and the logit noise it causes, for
+    ``k4`` with mu_K = 0 (tag ``none``), mu_K of all keys (``all``) and the latter with the first page
+    in FP8 (``all_s``). Where the error lands: the first-order change of the probabilities,
+    dp_j = p_j (e_j - sum_i p_i e_i) with e = sm * Q . dK, summed as dp^2 over queries and the group's
+    heads, and its shares: key 0, keys 1-15, the 16 most recent keys of each query (``recent16``),
+    the largest other single positions (``dp_top_keys_*``: [position, share]), and per 16-channel block
+    of dK (``dp_block_share_*``; cross terms between blocks left out) and from the large-mean channels."""
     rows = []
     for layer, (q, k, v) in enumerate(inputs):
         heads, d = q.shape[1], q.shape[2]
@@ -288,9 +330,19 @@ def k_diagnostics(inputs, n_cal: int = N_CAL, sm_scale=None) -> list[dict]:
                  "n_mean_channels": int(big.sum()), "tok_amax": float(kk.abs().amax(1).median()),
                  "tok_amax_smoothed": float((kk - mu).abs().amax(1).median())}
             qh = qf[:, h * group:(h + 1) * group]
-            for tag, mu_used in (("none", torch.zeros_like(mu)), ("all", mu)):
+            dist = (torch.arange(n).unsqueeze(1) + (m - n)) - torch.arange(m).unsqueeze(0)    # query pos - key pos
+            recent = (dist >= 0) & (dist < SINK_TOKENS)
+            for tag, mu_used in (("none", torch.zeros_like(mu)), ("all", mu), ("all_s", mu)):
                 ks = (kk - mu_used).float()
-                dk = k4(ks).double() - ks.double()
+                k_eff = k4(ks)
+                if tag == "all_s":
+                    k_eff = torch.cat([k8(ks[:SINK_TOKENS]), k_eff[SINK_TOKENS:]])
+                dk = k_eff.double() - ks.double()
+                w = torch.zeros(m, dtype=torch.float64)
+                w_recent = 0.0
+                blocks = range(0, d, BLOCK)
+                w_block = [0.0] * len(blocks)
+                w_big = 0.0
                 r[f"k_rel_err_{tag}"] = float(dk.norm() / ks.double().norm())
                 # logit noise: sm * Q . dK over visible keys, row mean removed (softmax-invariant part dropped)
                 tot = chan_big = sink_err = sink_p = 0.0
@@ -301,6 +353,16 @@ def k_diagnostics(inputs, n_cal: int = N_CAL, sm_scale=None) -> list[dict]:
                     e_s = sm * qq @ dk.T
                     # first-order output error comes from the p-weighted spread of the score error
                     e_p = e_s - (p * e_s).sum(-1, keepdim=True)
+                    dp2 = (p * e_p).pow(2)
+                    w += dp2.sum(0)
+                    w_recent += float(dp2[recent].sum())
+
+                    def part_dp2(ch):
+                        e_c = sm * qq[:, ch] @ dk[:, ch].T
+                        return float((p * (e_c - (p * e_c).sum(-1, keepdim=True))).pow(2).sum())
+                    for i, b in enumerate(blocks):
+                        w_block[i] += part_dp2(slice(b, b + BLOCK))
+                    w_big += part_dp2(big) if bool(big.any()) else 0.0
                     sink_err += float(e_p[:, 0].abs().mean()) / group
                     sink_p += float(p[:, 0].mean()) / group
                     e = (sm * qq @ dk.T).masked_fill(mask, float("nan"))                      # [n, m]
@@ -316,6 +378,15 @@ def k_diagnostics(inputs, n_cal: int = N_CAL, sm_scale=None) -> list[dict]:
                 r[f"k0_norm_rel_{tag}"] = r.pop("k0_norm_rel")
                 r[f"logit_noise_{tag}"] = math.sqrt(tot / cnt)
                 r[f"logit_noise_meanch_{tag}"] = math.sqrt(chan_big / cnt)
+                wt = float(w.sum()) or 1.0
+                top = torch.topk(w[1:], min(3, m - 1))
+                r[f"dp_share_key0_{tag}"] = float(w[0]) / wt
+                r[f"dp_share_keys1_15_{tag}"] = float(w[1:SINK_TOKENS].sum()) / wt
+                r[f"dp_share_recent16_{tag}"] = w_recent / wt
+                r[f"dp_top_keys_{tag}"] = [[int(i) + 1, float(x) / wt] for x, i in zip(top.values, top.indices)]
+                wb = sum(w_block) or 1.0
+                r[f"dp_block_share_{tag}"] = [x / wb for x in w_block]
+                r[f"dp_meanch_share_{tag}"] = w_big / wb
             rows.append(r)
     return rows
 
@@ -327,25 +398,27 @@ _STATE: list = []
 
 
 def _budget_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    cfg = _STATE[-1]
+    cfg, dtype = _STATE[-1]
     q = query[0].transpose(0, 1).to(torch.bfloat16)
     k = key[0].transpose(0, 1).to(torch.bfloat16)
     v = value[0].transpose(0, 1).to(torch.bfloat16)
-    o, _ = quantized_attention(q, k, v, cfg, sm_scale=scaling, cal=calibrate(k, v, cfg["mu"]), dtype=torch.float64)
+    o, _ = quantized_attention(q, k, v, cfg, sm_scale=scaling, cal=calibrate(k, v, cfg["mu"]), dtype=dtype)
     return o.unsqueeze(0).to(query.dtype), None
 
 
 @torch.no_grad()
-def model_ppl(mdl, ids: torch.Tensor, configs) -> list[dict]:
+def model_ppl(mdl, ids: torch.Tensor, configs, dtype=torch.float64) -> list[dict]:
     """Perplexity / KL(exact || config) / top-1 agreement of each config on ``ids`` (one forward of the
-    whole sequence, causal; calibration from the same forward)."""
+    whole sequence, causal; calibration from the same forward). ``dtype``: the attention's scores,
+    softmax and PV (float32 is ~2x faster on CPU; it changes one call's output by ~1e-7 relative, but
+    the rounding flips it causes in later layers moved qk4pv8's ppl at 1K by 0.3% and its KL by 6%)."""
     from transformers import AttentionInterface
     AttentionInterface.register("mpfa_budget", _budget_attention)
     rows, base = [], None
     tgt = ids[1:]
     for name in configs:
         t0 = time.time()
-        _STATE.append(parse(name))
+        _STATE.append((parse(name), dtype))
         mdl.set_attn_implementation("mpfa_budget")
         try:
             h = mdl.model(input_ids=ids.unsqueeze(0), use_cache=False).last_hidden_state[0]
@@ -402,6 +475,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/mpfa-error-budget"))
     ap.add_argument("--data-dir", type=Path, default=None)
     ap.add_argument("--capture-cache", type=Path, default=None, help="torch.save file of the captured Q/K/V")
+    ap.add_argument("--model-dtype", choices=["float64", "float32"], default="float64",
+                    help="precision of the model-level attention (scores, softmax, PV)")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--no-synthetic", action="store_true")
     args = ap.parse_args(argv)
@@ -411,6 +486,7 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     rows = []
     meta = {"suite": "error_budget", "torch": torch.__version__, "q_len": args.q_len, "q_tile": Q_TILE,
+            "model_tokens": args.model_tokens, "model_dtype": args.model_dtype,
             "n_cal": N_CAL, "model": M.MODEL_NAME, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
     def add(source, ctx, qlen, shape, res):
@@ -452,7 +528,7 @@ def main(argv=None) -> int:
                 rows.append({"id": f"diag/{ctx}/{r['layer']}/{r['kv_head']}", "kind": "diag", "context": ctx, **r})
         if not args.no_model:
             ids = _tokens(tok, text, args.model_tokens)
-            for r in model_ppl(mdl, ids, args.model_configs):
+            for r in model_ppl(mdl, ids, args.model_configs, getattr(torch, args.model_dtype)):
                 rows.append({"id": f"model/kjv/{args.model_tokens}/{r['config']}", "kind": "model", "text": "kjv", **r})
     from benchmarks.results_io import write
     path = write("error_budget", meta, summarize(rows), rows, args.out)

@@ -58,5 +58,16 @@ def test_orderings(res):
 def test_parse():
     c = eb.parse("q8s+eqk4e@first~s+p8+v8")
     assert (c["q"], c["k"], c["eq"], c["mu"], c["sink"], c["p"], c["v"]) == ("q8s", "k4e", True, "first", True, True, True)
+    c = eb.parse("k4r@all~b")
+    assert (c["k"], c["mu"], c["sink"], c["sink_exact"]) == ("k4r", "all", True, True)
     with pytest.raises(ValueError):
         eb.parse("k5")
+
+
+def test_causal_blocks_change_nothing(outlier, monkeypatch):
+    q, k, v = outlier
+    cal = eb.calibrate(k, v, "all")
+    o, _ = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL), cal=cal)
+    monkeypatch.setattr(eb, "Q_BLOCK", 24)                    # 64 query rows -> blocks of 24, 24, 16
+    ob, _ = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL), cal=cal)
+    assert torch.allclose(o, ob, rtol=0, atol=1e-13)
