@@ -124,14 +124,14 @@ class MpfaAttnBackend(AttentionBackend):
             lens = forward_batch.extend_seq_lens_cpu
             qo = torch.zeros(bs + 1, dtype=torch.int32)
             qo[1:] = torch.cumsum(torch.as_tensor(list(lens), dtype=torch.int32), 0)
-            self._fit_prefill_workspace(forward_batch)
+            self._fit_prefill_workspace(forward_batch, max(lens, default=0))
             self.prefill_wrapper.plan(qo.to(self.device, non_blocking=True), indptr, indices, last, self.num_qo_heads,
                                       self.num_kv_heads, self.head_dim, self.page_size, causal=True,
                                       sm_scale=self.sm_scale, recipe=self.recipe,
                                       compensation=self.settings.compensation)
             self._active = self.prefill_wrapper
 
-    def _fit_prefill_workspace(self, forward_batch):
+    def _fit_prefill_workspace(self, forward_batch, max_extend_len: int):
         """The extend kernel's workspace holds MMA-ready images of every key of the batch (about 2 bytes
         per K/V element, mpfa.prefill.workspace_layout): grow the prefill wrapper's buffer when a batch
         needs more. Extend batches are never graph-captured, so replacing the buffer is safe."""
@@ -140,7 +140,7 @@ class MpfaAttnBackend(AttentionBackend):
             return
         lens = [int(x) for x in lens]
         need = prefill_workspace_bytes(len(lens), self.num_qo_heads, self.num_kv_heads, self.head_dim, lens,
-                                       self.recipe, self.settings.compensation)
+                                       self.recipe, self.settings.compensation, max_extend_len)
         if need > self.prefill_wrapper.workspace_buffer.numel():
             size = max(need, 2 * self.prefill_wrapper.workspace_buffer.numel())
             logger.info("mpfa backend: extend workspace grows to %.0f MiB (%d keys in the batch)", size / 2**20,

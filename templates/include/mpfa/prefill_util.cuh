@@ -1,6 +1,6 @@
 // Register-level helpers of the prefill kernel (copied from mma_frag.cuh / quant.cuh at the time the
 // prefill kernel was written, in their own namespace, so changes to the decode kernel's headers do not
-// move the prefill kernel): cp.async, FP8/E2M1 conversions, packing.
+// move the prefill kernel): FP8/E2M1 conversions, packing.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -13,21 +13,6 @@ namespace pf {
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-
-template <int N>
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int src_bytes) {
-  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(src_bytes));
-  }
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
   uint32_t r;
