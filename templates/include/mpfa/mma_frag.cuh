@@ -1,4 +1,5 @@
-// Register-level building blocks of the decode kernel: cp.async, mma.sync m16n8k16, movmatrix, and
+// Register-level building blocks of the decode kernel (the prefill kernel shares its conversions and
+// packing): cp.async, mma.sync m16n8k16, movmatrix, and
 // in-register conversions of the cache formats into MMA fragments.
 //
 // Exactness: e4m3 and block_scale * e2m1 (block scales 2^e or 1.5 * 2^e, |product| <= 384) are
