@@ -1,0 +1,340 @@
+"""SGLang with ``--attention-backend mpfa`` on the GPU: what the SGLang backend issue must show, written to
+``benchmarks/results/e2e_sglang_h200.json``.
+
+    python -m benchmarks.e2e.sglang_check [--parts agreement,capacity,launch] [--out DIR]
+
+Every configuration runs in its own child process (one ``sglang.Engine`` or server at a time, so a crash
+or a hang in one cannot take the others down and each starts on a free GPU); its log goes to
+``<out>/logs/``. Rows of the parts run now replace that part's rows in the existing file, so the parts can
+run in separate calls. Parts:
+
+- ``agreement``: the real SmolLM2-135M (``python -m benchmarks.e2e.smollm2_hf`` converts the GGUF first),
+  20 prompts cut from the Python standard library sources (16 to 6,000 tokens), greedy, 64 new tokens,
+  ``ignore_eos``. SGLang's flashinfer backend (BF16 KV) is the reference; mpfa runs each recipe with decode
+  CUDA graphs on and off. Each configuration generates twice: the second pass hits the radix cache
+  (extend over cached prefix pages). Agreement = tokens equal at the same position / all tokens.
+- ``capacity``: Llama-3.1-8B shape with dummy weights at the default server config's
+  ``--mem-fraction-static``: ``max_total_num_tokens`` of flashinfer BF16 and FP8 KV and of mpfa per recipe.
+- ``launch``: README's launch command (``python -m mpfa.sglang.launch server_configs/llama-3.1-8b-qk4pv8.yaml``)
+  must serve ``/generate`` with input_ids; its ``max_total_num_tokens`` is recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks import meta as bench_meta
+from benchmarks import results_io
+
+REPO = Path(__file__).resolve().parents[2]
+RESULT = "e2e_sglang_h200"
+PARTS = ("agreement", "capacity", "launch")
+RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+SMOLLM2_DIR = REPO / "server_configs" / "models" / "smollm2-135m"
+LLAMA_DIR = REPO / "server_configs" / "models" / "llama-3.1-8b"
+DEFAULT_CONFIG = REPO / "server_configs" / "llama-3.1-8b-qk4pv8.yaml"
+NUM_PROMPTS, NEW_TOKENS = 20, 64
+PAGE_SIZE = 16
+CHILD_MARK = "@@sglang_check@@"
+CHILD_TIMEOUT_S = 420
+
+
+# --- prompts ----------------------------------------------------------------------------------------------------
+def prompt_lengths(n: int = NUM_PROMPTS, lo: int = 16, hi: int = 6000) -> list[int]:
+    """n lengths spread geometrically over [lo, hi], nudged off page multiples so tails vary."""
+    out = []
+    for i in range(n):
+        x = lo * (hi / lo) ** (i / max(1, n - 1))
+        out.append(int(round(x)) + (i % 5))
+    return out
+
+
+def make_prompts(tokenizer_dir: Path | str, n: int = NUM_PROMPTS) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from benchmarks.accuracy.data import stdlib_text
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tok(stdlib_text(2_000_000), add_special_tokens=False).input_ids
+    lengths = prompt_lengths(n)
+    stride = (len(ids) - max(lengths)) // n
+    if stride <= 0:
+        raise ValueError(f"the standard library text gave only {len(ids)} tokens")
+    return [ids[i * stride: i * stride + length] for i, length in enumerate(lengths)]
+
+
+# --- one configuration, in a child process -------------------------------------------------------------------------
+def _child(spec: dict) -> dict:
+    """Start one sglang.Engine, generate the prompts twice (second pass: radix-cache hits), report."""
+    import sglang
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**spec["engine"])
+    out = {"startup_s": round(time.perf_counter() - t0, 1)}
+    try:
+        info = engine.get_server_info()
+        out["max_total_num_tokens"] = info.get("max_total_num_tokens")
+        prompts = spec.get("prompts")
+        if prompts:
+            sp = {"max_new_tokens": spec["new_tokens"], "temperature": 0.0, "ignore_eos": True}
+            passes = []
+            for _ in range(2):
+                t1 = time.perf_counter()
+                res = engine.generate(input_ids=prompts, sampling_params=[dict(sp) for _ in prompts])
+                passes.append({"seconds": round(time.perf_counter() - t1, 2),
+                               "output_ids": [r["output_ids"] for r in res]})
+            out["passes"] = passes
+    finally:
+        engine.shutdown()
+    return out
+
+
+def run_child(spec: dict, env_extra: dict, log_path: Path, timeout: float = CHILD_TIMEOUT_S) -> dict:
+    """Run _child(spec) in a fresh interpreter; returns its result or {"error": ...} (never raises)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **env_extra}
+    for k in ("MPFA_RECIPE", "MPFA_COMPENSATION"):
+        if k not in env_extra:
+            env.pop(k, None)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path = log_path.with_suffix(".spec.json")   # prompts are too long for one argv string
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "benchmarks.e2e.sglang_check", "--child", str(spec_path)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                                start_new_session=True)
+        try:
+            stdout, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"error": f"timed out after {timeout:.0f} s (log {log_path.name})"}
+    for line in stdout.splitlines():
+        if line.startswith(CHILD_MARK):
+            return json.loads(line[len(CHILD_MARK):])
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+
+
+def _engine_args(model: Path, backend: str, *, graphs: bool, mem_fraction: float, context_length: int,
+                 dummy: bool, kv_cache_dtype: str | None = None) -> dict:
+    args = dict(model_path=str(model), attention_backend=backend, page_size=PAGE_SIZE, skip_tokenizer_init=True,
+                context_length=context_length, mem_fraction_static=mem_fraction, random_seed=0,
+                log_level="warning", cuda_graph_max_bs_decode=32)
+    if dummy:
+        args["load_format"] = "dummy"
+    if backend == "mpfa":
+        args["disable_prefill_cuda_graph"] = True   # mpfa captures decode graphs only (docs/sglang.md)
+    if not graphs:
+        args["disable_decode_cuda_graph"] = True
+        args["disable_prefill_cuda_graph"] = True
+    if kv_cache_dtype:
+        args["kv_cache_dtype"] = kv_cache_dtype
+    return args
+
+
+# --- parts -----------------------------------------------------------------------------------------------------------
+def _configs(part: str, smollm2: Path, mem_fraction: float) -> list[dict]:
+    """(label, backend, recipe, graphs, engine args) of every configuration a part runs."""
+    out = []
+    if part == "agreement":
+        kw = dict(mem_fraction=0.3, context_length=8192, dummy=False)
+        out.append(dict(config="flashinfer-bf16", backend="flashinfer", recipe=None, graphs=True,
+                        engine=_engine_args(smollm2, "flashinfer", graphs=True, **kw)))
+        for recipe in RECIPES:
+            for graphs in (True, False):
+                out.append(dict(config=f"mpfa-{recipe}-graphs-{'on' if graphs else 'off'}", backend="mpfa",
+                                recipe=recipe, graphs=graphs,
+                                engine=_engine_args(smollm2, "mpfa", graphs=graphs, **kw)))
+    elif part == "capacity":
+        kw = dict(mem_fraction=mem_fraction, context_length=131072, dummy=True, graphs=False)
+        out.append(dict(config="flashinfer-bf16", backend="flashinfer", recipe=None, kv_cache_dtype="auto",
+                        engine=_engine_args(LLAMA_DIR, "flashinfer", **kw)))
+        out.append(dict(config="flashinfer-fp8_e4m3", backend="flashinfer", recipe=None, kv_cache_dtype="fp8_e4m3",
+                        engine=_engine_args(LLAMA_DIR, "flashinfer", kv_cache_dtype="fp8_e4m3", **kw)))
+        for recipe in RECIPES:
+            out.append(dict(config=f"mpfa-{recipe}", backend="mpfa", recipe=recipe,
+                            engine=_engine_args(LLAMA_DIR, "mpfa", **kw)))
+    return out
+
+
+def run_engine_part(part: str, out_dir: Path, smollm2: Path, mem_fraction: float, bar) -> list[dict]:
+    prompts = make_prompts(smollm2) if part == "agreement" else None
+    rows = []
+    for cfg in _configs(part, smollm2, mem_fraction):
+        bar.set_description(f"{part}: {cfg['config']}")
+        spec = {"engine": cfg["engine"], "prompts": prompts, "new_tokens": NEW_TOKENS}
+        env = {"MPFA_RECIPE": cfg["recipe"]} if cfg["recipe"] else {}
+        t0 = time.perf_counter()
+        res = run_child(spec, env, out_dir / "logs" / f"{part}-{cfg['config']}.log")
+        row = {"part": part, "config": cfg["config"], "backend": cfg["backend"], "recipe": cfg["recipe"],
+               "model": Path(cfg["engine"]["model_path"]).name, "page_size": PAGE_SIZE,
+               "mem_fraction_static": cfg["engine"]["mem_fraction_static"],
+               "seconds": round(time.perf_counter() - t0, 1), **{k: v for k, v in cfg.items()
+                                                                  if k in ("graphs", "kv_cache_dtype")}}
+        if "error" in res:
+            row.update(status="error", error=res["error"])
+        else:
+            row.update(status="ok", startup_s=res.get("startup_s"), max_total_num_tokens=res.get("max_total_num_tokens"))
+            if prompts:
+                row["prompt_lengths"] = [len(p) for p in prompts]
+                row["output_ids"] = res["passes"][0]["output_ids"]
+                row["output_ids_cached_pass"] = res["passes"][1]["output_ids"]
+                row["generate_s"] = [p["seconds"] for p in res["passes"]]
+        rows.append(row)
+        bar.update(1)
+    return rows
+
+
+def _http(url: str, payload: dict | None = None, timeout: float = 120.0):
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        body = r.read().decode()
+    return json.loads(body) if body.strip().startswith(("{", "[")) else body
+
+
+def run_launch_part(out_dir: Path, config: Path, bar, port: int = 30517, timeout: float = CHILD_TIMEOUT_S) -> list[dict]:
+    """README's launch command, /generate with input_ids, then the server's max_total_num_tokens."""
+    bar.set_description(f"launch: {config.name}")
+    cmd = [sys.executable, "-m", "mpfa.sglang.launch", str(config), "--", "--port", str(port), "--log-level", "warning"]
+    log_path = out_dir / "logs" / f"launch-{config.stem}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k in ("MPFA_CACHE_DIR",)}
+    row = {"part": "launch", "config": config.stem, "backend": "mpfa", "command": " ".join(cmd[1:])}
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode} before answering")
+                if time.perf_counter() - t0 > timeout:
+                    raise RuntimeError(f"no answer from {base}/health in {timeout:.0f} s")
+                try:
+                    _http(f"{base}/health", timeout=5)
+                    break
+                except OSError:
+                    time.sleep(2)
+            row["startup_s"] = round(time.perf_counter() - t0, 1)
+            ids = [[(37 * i + 11 * j) % 30000 + 100 for j in range(n)] for i, n in enumerate((5, 777, 3001))]
+            res = _http(f"{base}/generate", {"input_ids": ids, "sampling_params": {
+                "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
+            row["generated_tokens"] = [len(r["output_ids"]) for r in res]
+            info = _http(f"{base}/get_server_info")
+            row["max_total_num_tokens"] = info.get("max_total_num_tokens")
+            row["attention_backend"] = info.get("attention_backend")
+            row["status"] = "ok" if row["generated_tokens"] == [16, 16, 16] else "error"
+        except Exception as e:   # the row records it; the log has the server's side
+            row.update(status="error", error=f"{type(e).__name__}: {e}")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    bar.update(1)
+    return [row]
+
+
+# --- summary -------------------------------------------------------------------------------------------------------
+def _agreement(ref: list[list[int]], ours: list[list[int]], n: int = NEW_TOKENS) -> float:
+    total = sum(min(n, len(r)) for r in ref)
+    same = sum(a == b for r, o in zip(ref, ours) for a, b in zip(r[:n], o[:n]))
+    return same / total if total else float("nan")
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = {(r["part"], r["config"]): r for r in rows if r.get("status") == "ok"}
+    out: dict = {}
+    ref = ok.get(("agreement", "flashinfer-bf16"))
+    if ref:
+        agree, agree_off, graphs_equal, cached_equal = {}, {}, {}, {}
+        for recipe in RECIPES:
+            on, off = ok.get(("agreement", f"mpfa-{recipe}-graphs-on")), ok.get(("agreement", f"mpfa-{recipe}-graphs-off"))
+            if on:
+                agree[recipe] = _agreement(ref["output_ids"], on["output_ids"])
+                cached_equal[recipe] = _agreement(on["output_ids"], on["output_ids_cached_pass"])
+            if off:
+                agree_off[recipe] = _agreement(ref["output_ids"], off["output_ids"])
+            if on and off:
+                graphs_equal[recipe] = _agreement(off["output_ids"], on["output_ids"])
+        out["greedy_agreement"] = agree
+        out["greedy_agreement_graphs_off"] = agree_off
+        out["cuda_graph_on_off_agreement"] = graphs_equal
+        out["radix_cache_pass_agreement"] = cached_equal
+        out["flashinfer_radix_cache_pass_agreement"] = _agreement(ref["output_ids"], ref["output_ids_cached_pass"])
+    base = ok.get(("capacity", "flashinfer-bf16"))
+    if base and base.get("max_total_num_tokens"):
+        ratios = {}
+        for r in rows:
+            if r["part"] == "capacity" and r.get("status") == "ok" and r.get("max_total_num_tokens"):
+                ratios[r["config"]] = r["max_total_num_tokens"] / base["max_total_num_tokens"]
+        q4 = ratios.get("mpfa-qk4pv8")
+        if q4 is not None:
+            out["kv_capacity_ratio"] = q4
+        out["kv_capacity_ratio_vs_flashinfer_bf16"] = ratios
+    launch = [r for r in rows if r["part"] == "launch"]
+    if launch:
+        out["launch_command_serves_generate"] = all(r.get("status") == "ok" for r in launch)
+    return out
+
+
+# --- main ----------------------------------------------------------------------------------------------------------
+def _read_existing(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return results_io.read(path)["rows"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.sglang_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    ap.add_argument("--out", default=str(results_io.RESULTS_DIR), help="results folder (default: %(default)s)")
+    ap.add_argument("--smollm2", default=str(SMOLLM2_DIR), help="SmolLM2 HF folder (benchmarks.e2e.smollm2_hf)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        res = _child(json.loads(Path(args.child).read_text()))
+        print(CHILD_MARK + json.dumps(res), flush=True)
+        return 0
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        ap.error(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
+    smollm2 = Path(args.smollm2)
+    if "agreement" in parts and not (smollm2 / "model.safetensors").exists():
+        ap.error(f"--smollm2 {smollm2} has no model.safetensors: run python -m benchmarks.e2e.smollm2_hf first")
+    from tqdm import tqdm
+
+    from mpfa_jit import server_config
+    mem_fraction = float(server_config.load(DEFAULT_CONFIG).sglang["mem-fraction-static"])
+    out_dir = Path(args.out)
+    n = sum(len(_configs(p, smollm2, mem_fraction)) if p != "launch" else 1 for p in parts)
+    rows = []
+    with tqdm(total=n, unit="server", file=sys.stderr) as bar:
+        for part in parts:
+            if part == "launch":
+                rows += run_launch_part(out_dir, DEFAULT_CONFIG, bar)
+            else:
+                rows += run_engine_part(part, out_dir, smollm2, mem_fraction, bar)
+    path = out_dir / f"{RESULT}.json"
+    rows = [r for r in _read_existing(path) if r.get("part") not in parts] + rows
+    rows.sort(key=lambda r: PARTS.index(r["part"]))
+    command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    results_io.write(RESULT, bench_meta.collect(command.strip(), parts=parts), summarize(rows), rows, out_dir)
+    for r in rows:
+        if r.get("status") != "ok":
+            print(f"{r['part']} {r['config']}: {r.get('error')}", file=sys.stderr)
+    print(json.dumps(summarize(rows), indent=1))
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
