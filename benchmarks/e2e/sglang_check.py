@@ -167,9 +167,9 @@ def _configs(part: str, smollm2: Path, mem_fraction: float, graphs_off: bool = T
 
 
 def run_engine_part(part: str, out_dir: Path, smollm2: Path, mem_fraction: float, bar, prompt_set: str = "stdlib",
-                    graphs_off: bool = True, recipes=RECIPES) -> list[dict]:
+                    graphs_off: bool = True, recipes=RECIPES):
+    """Yields one row per configuration (the caller saves after each: a killed run keeps what finished)."""
     prompts = make_prompts(smollm2, prompt_set) if part == "agreement" else None
-    rows = []
     for cfg in _configs(part, smollm2, mem_fraction, graphs_off, recipes):
         bar.set_description(f"{part}: {cfg['config']}")
         spec = {"engine": cfg["engine"], "prompts": prompts, "new_tokens": NEW_TOKENS}
@@ -192,9 +192,8 @@ def run_engine_part(part: str, out_dir: Path, smollm2: Path, mem_fraction: float
                 row["output_ids"] = res["passes"][0]["output_ids"]
                 row["output_ids_cached_pass"] = res["passes"][1]["output_ids"]
                 row["generate_s"] = [p["seconds"] for p in res["passes"]]
-        rows.append(row)
         bar.update(1)
-    return rows
+        yield row
 
 
 def _http(url: str, payload: dict | None = None, timeout: float = 120.0):
@@ -350,19 +349,26 @@ def main(argv=None) -> int:
     if any(r not in RECIPES for r in recipes):
         ap.error(f"--recipes: choose from {', '.join(RECIPES)}, got {args.recipes!r}")
     n = sum(len(_configs(p, smollm2, mem_fraction, graphs_off, recipes)) if p != "launch" else 1 for p in parts)
-    rows = []
+    path = out_dir / f"{RESULT}.json"
+    previous = _read_existing(path)
+    command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = bench_meta.collect(command.strip(), parts=parts)
+    new: list[dict] = []
+
+    def save():
+        fresh = {(r["part"], r.get("prompt_set")) for r in new}
+        kept = [r for r in previous if (r.get("part"), r.get("prompt_set")) not in fresh]
+        rows = sorted(kept + new, key=lambda r: PARTS.index(r["part"]))
+        results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
+        return rows
+
     with tqdm(total=n, unit="server", file=sys.stderr) as bar:
         for part in parts:
-            if part == "launch":
-                rows += run_launch_part(out_dir, DEFAULT_CONFIG, bar)
-            else:
-                rows += run_engine_part(part, out_dir, smollm2, mem_fraction, bar, args.prompt_set, graphs_off, recipes)
-    path = out_dir / f"{RESULT}.json"
-    fresh = {(r["part"], r.get("prompt_set")) for r in rows}
-    rows = [r for r in _read_existing(path) if (r.get("part"), r.get("prompt_set")) not in fresh] + rows
-    rows.sort(key=lambda r: PARTS.index(r["part"]))
-    command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
-    results_io.write(RESULT, bench_meta.collect(command.strip(), parts=parts), summarize(rows), rows, out_dir)
+            found = (run_launch_part(out_dir, DEFAULT_CONFIG, bar) if part == "launch" else
+                     run_engine_part(part, out_dir, smollm2, mem_fraction, bar, args.prompt_set, graphs_off, recipes))
+            for row in found:
+                new.append(row)
+                rows = save()
     for r in rows:
         if r.get("status") != "ok":
             print(f"{r['part']} {r['config']}: {r.get('error')}", file=sys.stderr)
