@@ -23,6 +23,7 @@ from pathlib import Path
 
 from benchmarks import results_io, suites
 from benchmarks.accuracy import summary as accuracy_summary
+from benchmarks.e2e import sglang_check
 
 BEGIN = "<!-- bench:begin -->"
 END = "<!-- bench:end -->"
@@ -118,7 +119,7 @@ def summary_line(summary: dict) -> str:
 
 def render_result(name: str, result: dict, *, image_rel: str | None = None) -> str:
     """Markdown for one results file: heading, meta, ceilings, summary, table, plot."""
-    suite = suites.for_result(name, result["meta"])
+    suite = suites.for_result(name, result["meta"]) or (sglang_check if name == sglang_check.RESULT else None)
     rows = [r for r in result["rows"] if r.get("kind") != "ceiling"]
     lines = [f"### {name}", "", meta_line(result["meta"]), ""]
     ceil = ceilings_line(result["rows"])
@@ -164,10 +165,12 @@ def splice(text: str, section: str) -> str:
 
 
 def suite_results(results_dir: Path | str):
-    """(path, result, suite module) for every results file a suite wrote."""
+    """(path, result, module with summarize) for every results file a suite or the SGLang check wrote."""
     for path in results_io.list_results(results_dir):
         result = results_io.read(path)
         suite = suites.for_result(path.stem, result["meta"])
+        if suite is None and path.stem == sglang_check.RESULT:
+            suite = sglang_check
         if suite is not None:
             yield path, result, suite
 

@@ -41,6 +41,10 @@ SMOLLM2_DIR = REPO / "server_configs" / "models" / "smollm2-135m"
 LLAMA_DIR = REPO / "server_configs" / "models" / "llama-3.1-8b"
 DEFAULT_CONFIG = REPO / "server_configs" / "llama-3.1-8b-qk4pv8.yaml"
 NUM_PROMPTS, NEW_TOKENS = 20, 64
+# README columns (benchmarks.report): one row per server started
+TABLE = [("part", "part", "{}"), ("configuration", "config", "{}"), ("prompts", "prompt_set", "{}"),
+         ("model", "model", "{}"), ("status", "status", "{}"), ("max_total_num_tokens", "max_total_num_tokens", "{:,}"),
+         ("startup s", "startup_s", "{:.0f}"), ("error", "error", "{}")]
 PAGE_SIZE = 16
 CHILD_MARK = "@@sglang_check@@"
 CHILD_TIMEOUT_S = 420
@@ -83,7 +87,7 @@ def _child(spec: dict) -> dict:
         info = engine.get_server_info()
         out["max_total_num_tokens"] = info.get("max_total_num_tokens")
         prompts = spec.get("prompts")
-        if prompts:
+        if prompts:  # greedy, twice
             sp = {"max_new_tokens": spec["new_tokens"], "temperature": 0.0, "ignore_eos": True}
             passes = []
             for _ in range(2):
@@ -92,9 +96,37 @@ def _child(spec: dict) -> dict:
                 passes.append({"seconds": round(time.perf_counter() - t1, 2),
                                "output_ids": [r["output_ids"] for r in res]})
             out["passes"] = passes
+        if spec.get("score"):
+            out["scored"] = score_sequences(engine, spec["score"])
     finally:
         engine.shutdown()
     return out
+
+
+def score_sequences(engine, score: list[dict]) -> list[dict]:
+    """Teacher forcing: for each ``{"ids": prompt + output, "start": len(prompt)}`` the engine's prefill
+    log-probability of every output token and of its own top-1 token at that position."""
+    seqs = [s["ids"] for s in score]
+    res = engine.generate(input_ids=seqs, sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(seqs),
+                          return_logprob=True, logprob_start_len=[s["start"] for s in score], top_logprobs_num=1)
+    out = []
+    for s, r in zip(score, res):
+        mi = r["meta_info"]
+        # entries cover positions start .. len(ids) - 1; position p holds log P(ids[p] | ids[:p])
+        chosen = [lp for lp, _tid, *_ in mi["input_token_logprobs"]]
+        top = [(t[0][0], t[0][1]) if t else (None, None) for t in mi["input_top_logprobs"]]
+        out.append({"chosen_logprob": chosen, "top1_logprob": [v for v, _ in top], "top1_id": [i for _, i in top]})
+    return out
+
+
+def logprob_gaps(scored: dict) -> list[float]:
+    """top-1 minus chosen log-probability per output token (0 where the token is the scorer's argmax)."""
+    gaps = []
+    for lp, top in zip(scored["chosen_logprob"], scored["top1_logprob"]):
+        if lp is None or top is None:
+            raise ValueError("a scored output token has no log-probability (logprob_start_len too late?)")
+        gaps.append(max(0.0, top - lp))
+    return gaps
 
 
 def run_child(spec: dict, env_extra: dict, log_path: Path, timeout: float = CHILD_TIMEOUT_S) -> dict:
@@ -166,32 +198,62 @@ def _configs(part: str, smollm2: Path, mem_fraction: float, graphs_off: bool = T
     return out
 
 
+SCORER = "flashinfer-bf16-scoring"
+
+
+def _row(part: str, cfg: dict, res: dict, seconds: float, prompt_set: str | None) -> dict:
+    row = {"part": part, "config": cfg["config"], "backend": cfg["backend"], "recipe": cfg.get("recipe"),
+           "model": Path(cfg["engine"]["model_path"]).name, "page_size": PAGE_SIZE,
+           "mem_fraction_static": cfg["engine"]["mem_fraction_static"], "seconds": round(seconds, 1),
+           **{k: v for k, v in cfg.items() if k in ("graphs", "kv_cache_dtype")}}
+    if prompt_set is not None:
+        row["prompt_set"] = prompt_set
+    if "error" in res:
+        row.update(status="error", error=res["error"])
+    else:
+        row.update(status="ok", startup_s=res.get("startup_s"), max_total_num_tokens=res.get("max_total_num_tokens"))
+    return row
+
+
 def run_engine_part(part: str, out_dir: Path, smollm2: Path, mem_fraction: float, bar, prompt_set: str = "stdlib",
                     graphs_off: bool = True, recipes=RECIPES):
-    """Yields one row per configuration (the caller saves after each: a killed run keeps what finished)."""
-    prompts = make_prompts(smollm2, prompt_set) if part == "agreement" else None
+    """Yields one row per configuration (the caller saves after each: a killed run keeps what finished).
+    The agreement part ends with a flashinfer engine scoring every configuration's greedy tokens by
+    teacher forcing (``score_sequences``)."""
+    agreement = part == "agreement"
+    prompts = make_prompts(smollm2, prompt_set) if agreement else None
+    pset = prompt_set if agreement else None
+    outputs = {}
     for cfg in _configs(part, smollm2, mem_fraction, graphs_off, recipes):
         bar.set_description(f"{part}: {cfg['config']}")
         spec = {"engine": cfg["engine"], "prompts": prompts, "new_tokens": NEW_TOKENS}
         env = {"MPFA_RECIPE": cfg["recipe"]} if cfg["recipe"] else {}
         t0 = time.perf_counter()
-        tag = f"-{prompt_set}" if prompts else ""
+        tag = f"-{prompt_set}" if agreement else ""
         res = run_child(spec, env, out_dir / "logs" / f"{part}{tag}-{cfg['config']}.log")
-        row = {"part": part, "config": cfg["config"], "backend": cfg["backend"], "recipe": cfg["recipe"],
-               "model": Path(cfg["engine"]["model_path"]).name, "page_size": PAGE_SIZE,
-               "mem_fraction_static": cfg["engine"]["mem_fraction_static"],
-               "seconds": round(time.perf_counter() - t0, 1), **{k: v for k, v in cfg.items()
-                                                                  if k in ("graphs", "kv_cache_dtype")}}
-        if "error" in res:
-            row.update(status="error", error=res["error"])
-        else:
-            row.update(status="ok", startup_s=res.get("startup_s"), max_total_num_tokens=res.get("max_total_num_tokens"))
-            if prompts:
-                row["prompt_set"] = prompt_set
-                row["prompt_lengths"] = [len(p) for p in prompts]
-                row["output_ids"] = res["passes"][0]["output_ids"]
-                row["output_ids_cached_pass"] = res["passes"][1]["output_ids"]
-                row["generate_s"] = [p["seconds"] for p in res["passes"]]
+        row = _row(part, cfg, res, time.perf_counter() - t0, pset)
+        if agreement and row["status"] == "ok":
+            row["prompt_lengths"] = [len(p) for p in prompts]
+            row["output_ids"] = res["passes"][0]["output_ids"]
+            row["output_ids_cached_pass"] = res["passes"][1]["output_ids"]
+            row["generate_s"] = [p["seconds"] for p in res["passes"]]
+            outputs[cfg["config"]] = row["output_ids"]
+        bar.update(1)
+        yield row
+    if agreement and outputs:
+        bar.set_description(f"{part}: {SCORER}")
+        cfg = dict(config=SCORER, backend="flashinfer", recipe=None, graphs=True,
+                   engine=dict(_engine_args(smollm2, "flashinfer", graphs=True, mem_fraction=0.3, context_length=8192,
+                                            dummy=False), disable_radix_cache=True))
+        score = [{"ids": list(p) + list(o), "start": len(p)} for outs in outputs.values() for p, o in zip(prompts, outs)]
+        t0 = time.perf_counter()
+        res = run_child({"engine": cfg["engine"], "score": score}, {},
+                        out_dir / "logs" / f"{part}-{prompt_set}-{SCORER}.log")
+        row = _row(part, cfg, res, time.perf_counter() - t0, pset)
+        if row["status"] == "ok":
+            scored = iter(res["scored"])
+            row["logprob_gaps"] = {name: [[round(g, 5) for g in logprob_gaps(next(scored))] for _ in prompts]
+                                   for name in outputs}
         bar.update(1)
         yield row
 
@@ -232,7 +294,10 @@ def run_launch_part(out_dir: Path, config: Path, bar, port: int = 30517, timeout
             res = _http(f"{base}/generate", {"input_ids": ids, "sampling_params": {
                 "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
             row["generated_tokens"] = [len(r["output_ids"]) for r in res]
-            info = _http(f"{base}/get_server_info")
+            try:
+                info = _http(f"{base}/server_info")
+            except OSError:   # SGLang versions before /server_info
+                info = _http(f"{base}/get_server_info")
             row["max_total_num_tokens"] = info.get("max_total_num_tokens")
             row["attention_backend"] = info.get("attention_backend")
             row["status"] = "ok" if row["generated_tokens"] == [16, 16, 16] else "error"
@@ -258,7 +323,14 @@ def _agreement(ref: list[list[int]], ours: list[list[int]], n: int = NEW_TOKENS)
 
 def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
     """Per prompt set: agreement of each mpfa configuration with flashinfer, and the reference's own
-    reproducibility (flashinfer's radix-cache pass against its first pass: the noise floor)."""
+    reproducibility (flashinfer's radix-cache pass against its first pass: the noise floor).
+
+    Position-wise agreement (``greedy_agreement``, the issue's figure) counts every token after a first
+    divergence as a miss, though the two runs then continue different texts. With the scorer's
+    teacher-forced log-probabilities: ``teacher_forced_agreement`` = share of mpfa's tokens that are
+    flashinfer's argmax given the same prefix; ``tie_aware_agreement`` = share within
+    ``reference_max_logprob_gap``, the largest gap flashinfer's own greedy tokens (its decode path) show
+    under its own prefill path, i.e. the near-ties the reference itself resolves either way."""
     out = {}
     for pset in dict.fromkeys(r.get("prompt_set", "stdlib") for r in rows if r["part"] == "agreement"):
         ok = {r["config"]: r for r in rows
@@ -278,6 +350,18 @@ def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
                 d["greedy_agreement_graphs_off"][recipe] = _agreement(ref["output_ids"], off["output_ids"])
             if on and off:
                 d["cuda_graph_on_off_agreement"][recipe] = _agreement(off["output_ids"], on["output_ids"])
+        scorer = ok.get(SCORER)
+        if scorer and "flashinfer-bf16" in scorer.get("logprob_gaps", {}):
+            gaps = scorer["logprob_gaps"]
+            noise = max((g for seq in gaps["flashinfer-bf16"] for g in seq[:NEW_TOKENS]), default=0.0)
+            d["reference_max_logprob_gap"] = noise
+            d["teacher_forced_agreement"], d["tie_aware_agreement"] = {}, {}
+            for recipe in RECIPES:
+                name = f"mpfa-{recipe}-graphs-on"
+                if name in gaps:
+                    flat = [g for seq in gaps[name] for g in seq[:NEW_TOKENS]]
+                    d["teacher_forced_agreement"][recipe] = sum(g == 0 for g in flat) / len(flat)
+                    d["tie_aware_agreement"][recipe] = sum(g <= noise for g in flat) / len(flat)
         out[pset] = {k: v for k, v in d.items() if v != {}}
     return out
 
@@ -290,7 +374,7 @@ def summarize(rows: list[dict]) -> dict:
     if by_set:
         worst: dict = {}
         for d in by_set.values():
-            for recipe, v in d["greedy_agreement"].items():
+            for recipe, v in d.get("greedy_agreement", {}).items():
                 worst[recipe] = min(v, worst.get(recipe, v))
         out["greedy_agreement"] = worst
         out["agreement_by_prompt_set"] = by_set
@@ -311,6 +395,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 # --- main ----------------------------------------------------------------------------------------------------------
+def merge_rows(previous: list[dict], new: list[dict]) -> list[dict]:
+    """The file's rows after a run: a (part, prompt set) measured now replaces its earlier rows; the rest stay."""
+    fresh = {(r["part"], r.get("prompt_set")) for r in new}
+    kept = [r for r in previous if (r.get("part"), r.get("prompt_set")) not in fresh]
+    return sorted(kept + new, key=lambda r: PARTS.index(r["part"]))
+
+
 def _read_existing(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -348,7 +439,8 @@ def main(argv=None) -> int:
     recipes = [r for r in args.recipes.split(",") if r]
     if any(r not in RECIPES for r in recipes):
         ap.error(f"--recipes: choose from {', '.join(RECIPES)}, got {args.recipes!r}")
-    n = sum(len(_configs(p, smollm2, mem_fraction, graphs_off, recipes)) if p != "launch" else 1 for p in parts)
+    n = sum(len(_configs(p, smollm2, mem_fraction, graphs_off, recipes)) + (p == "agreement") if p != "launch" else 1
+            for p in parts)
     path = out_dir / f"{RESULT}.json"
     previous = _read_existing(path)
     command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -356,9 +448,7 @@ def main(argv=None) -> int:
     new: list[dict] = []
 
     def save():
-        fresh = {(r["part"], r.get("prompt_set")) for r in new}
-        kept = [r for r in previous if (r.get("part"), r.get("prompt_set")) not in fresh]
-        rows = sorted(kept + new, key=lambda r: PARTS.index(r["part"]))
+        rows = merge_rows(previous, new)
         results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
         return rows
 

@@ -13,6 +13,7 @@ NAME = "decode"
 RESULT = "decode_h200"
 
 QO_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SERVER_CONTEXT = 131072   # the SGLang backend's graph grid covers this context (fixed_split_policy)
 SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (batch, context)
 PAGE_SIZES = (16, 1)
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
@@ -50,6 +51,8 @@ def cases(quick: bool = False) -> list[dict]:
     for b, ctx in shapes:
         for p in pages:
             out += [_case("mpfa", r, b, ctx, p) for r in RECIPES]
+            if p == 16:   # the SGLang backend's batch-invariant CUDA-graph grid (128K-context server)
+                out.append(_case("mpfa-graph", "qk4pv8", b, ctx, p))
             out += [_case("flashinfer", kv, b, ctx, p) for kv in ("fi-bf16", "fi-fp8", "fi-nvfp4")]
     return out
 
@@ -88,7 +91,12 @@ def _mpfa(case, ctx, gen):
     _fill_mpfa(cache, gen)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     w = mpfa.BatchDecodeWrapper(ws)
-    w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"])
+    splits = {}
+    if case["impl"] == "mpfa-graph":
+        from mpfa.decode import fixed_split_policy
+        size, n = fixed_split_policy(KV_HEADS, SERVER_CONTEXT, torch.cuda.get_device_properties(0).multi_processor_count)
+        splits = dict(num_splits=n, fixed_split_size=size)
+    w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
     q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(q)
     layer = cache.layer(0)
@@ -148,7 +156,7 @@ def run_case(case: dict, ctx) -> dict:
     import torch
     gen = torch.Generator(device="cuda").manual_seed(ctx.seed + hash(case["id"]) % 1000)
     try:
-        timing, extra = (_mpfa if case["impl"] == "mpfa" else _flashinfer)(case, ctx, gen)
+        timing, extra = (_mpfa if case["impl"].startswith("mpfa") else _flashinfer)(case, ctx, gen)
     finally:
         torch.cuda.empty_cache()
     tokens = case["batch"] * case["context"]
@@ -204,6 +212,12 @@ def summarize(rows: list[dict]) -> dict:
         return mine["ms"] / other["ms"] if mine and other else None
 
     single = fractions("qk4pv8", lambda x: (x["batch"], x["context"]) == (1, 131072))
+    graph = {}
+    for r in ok:
+        if r["impl"] == "mpfa-graph":
+            base = find("mpfa", r["recipe"], r["batch"], r["context"], r["page_size"])
+            if base:
+                graph[f"{r['batch']}x{r['context']}"] = r["ms"] / base["ms"]
     fi_nvfp4 = find("flashinfer", "fi-nvfp4", *HEADLINE)
     return {
         "hbm_read_gbps": hbm,
@@ -213,6 +227,8 @@ def summarize(rows: list[dict]) -> dict:
         "time_ratio_vs_flashinfer_bf16": ratio("fi-bf16"),
         "time_ratio_vs_flashinfer_fp8": ratio("fi-fp8"),
         "speedup_vs_flashinfer_nvfp4": fi_nvfp4["ms"] / mine["ms"] if mine and fi_nvfp4 else None,
+        # SGLang's graph decode (fixed split size, grid for a 128K context) over the adaptive plan, per shape
+        "graph_fixed_split_time_ratio": graph,
         "max_spread": max_spread(rows),
         "errors": sum(1 for r in rows if r.get("status") == "error"),
         "skipped": sum(1 for r in rows if r.get("status") == "skipped"),

@@ -13,6 +13,11 @@ builds/loads the kernel. ``run`` only launches: the grid is fixed by the plan an
 lengths and pages from those buffers, so a CUDA graph captured around ``run`` replays correctly
 after ``plan`` is called again (same batch size, same ``num_splits``, no more pages than the first
 plan's capacity) with new lengths: plan reuses the same buffers and workspace.
+
+``fixed_split_size`` (tokens, a multiple of ``TILE``; FlashInfer's name for the same knob) makes the
+partition batch-invariant: every request is cut into splits of that size whatever the grid, so its
+output is bit-identical between eager runs, CUDA-graph replays and any batch it shares (a server's
+graphs-on and graphs-off runs then agree token for token).
 """
 from __future__ import annotations
 
@@ -57,6 +62,16 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_s
     return -(-tiles // per_split)   # the kernel's split count that leaves no split empty
 
 
+def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int) -> tuple[int, int]:
+    """``(fixed_split_size, num_splits)`` for batch-invariant decode (a server's CUDA-graph and eager
+    paths): every request is cut like a lone request of ``max_kv_len`` tokens would be by
+    ``choose_num_splits``, so a long request still fills the GPU and short ones are not over-split.
+    ``num_splits`` covers ``max_kv_len``."""
+    tiles = max(1, -(-max_kv_len // TILE))
+    per = -(-tiles // choose_num_splits(1, num_kv_heads, max_kv_len, num_sms))
+    return per * TILE, -(-tiles // per)
+
+
 def workspace_bytes(num_splits: int, batch_size: int, num_qo_heads: int, head_dim: int) -> int:
     """Bytes of workspace the kernel path needs: fp32 partial O and LSE per split (none unsplit)."""
     if num_splits <= 1:
@@ -86,14 +101,22 @@ class BatchDecodeWrapper:
 
     def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, *, sm_scale: float | None = None, recipe: str = "qk4pv8",
-             num_splits: int | None = None) -> None:
+             num_splits: int | None = None, fixed_split_size: int | None = None) -> None:
         """Host-side scheduling for one batch (may synchronize). ``num_splits=None`` chooses the KV
-        split count adaptively; pass a fixed value to keep it across plans (CUDA graphs)."""
+        split count adaptively; pass a fixed value to keep it across plans (CUDA graphs).
+        ``fixed_split_size``: cut each request into splits of this many tokens (a multiple of 64); the
+        grid is then ``num_splits`` (a fixed grid for CUDA graphs; requests longer than
+        ``num_splits * fixed_split_size`` give the remainder to the last split) or, when None, just
+        enough splits for this batch's longest request."""
         recipe_ = check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe)
         paged = check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                        or not 1 <= num_splits <= 65535):
             raise ValueError(f"num_splits must be None (adaptive) or an int in [1, 65535], got {num_splits!r}")
+        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool)
+                                             or fixed_split_size <= 0 or fixed_split_size % TILE):
+            raise ValueError(f"fixed_split_size must be None or a positive multiple of {TILE} tokens, "
+                             f"got {fixed_split_size!r}")
         self.backend = resolve(self.requested_backend, paged_kv_indices.device)
         sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         plan = dict(paged=paged, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -109,8 +132,11 @@ class BatchDecodeWrapper:
             device = paged_kv_indices.device
             dev_index = device_index(device)
             batch = paged.batch_size
+            tiles_per_split = 0 if fixed_split_size is None else fixed_split_size // TILE
             if num_splits is None:
-                num_splits = choose_num_splits(batch, num_kv_heads, max(paged.kv_lengths), _num_sms(dev_index))
+                max_len = max(paged.kv_lengths)
+                num_splits = (choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index)) if not tiles_per_split
+                              else max(1, -(-max_len // fixed_split_size)))
             need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
                             f"head_dim {head_dim}, {num_splits} KV splits")
@@ -133,7 +159,7 @@ class BatchDecodeWrapper:
                 lse_part = ws[num_splits * rows * head_dim * 4: need].view(torch.float32)
             else:
                 o_part = lse_part = None
-            plan.update(num_splits=num_splits, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
+            plan.update(num_splits=num_splits, tiles_per_split=tiles_per_split, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
         self._plan = plan
 
     def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) -> None:
@@ -196,7 +222,7 @@ class BatchDecodeWrapper:
         p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),
                 buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(), q.shape[0], p["num_kv_heads"],
-                p["num_splits"], p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]), out.data_ptr(),
+                p["num_splits"], p["tiles_per_split"], p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]), out.data_ptr(),
                 out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
                 torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

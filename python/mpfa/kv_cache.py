@@ -24,6 +24,13 @@ PAGE_SIZES = (1, 16, 32, 64)
 HEAD_DIMS = (64, 128, 256)
 _DTYPES = {"bfloat16": torch.bfloat16, "uint8": torch.uint8, "float32": torch.float32}
 
+# V's channel scales come from whatever batch a layer sees first (a server's 3-token warmup request).
+# E4M3's range is wide enough to leave room: on SmolLM2's real V (benchmarks/results/studies/
+# calibration_kjv.json) headroom 256 loses nothing when the sample is large (V rel-L2 2.65% from 16 to
+# 4,096 calibration tokens, as with headroom 2) and keeps a 3-token sample unsaturated (headroom 2:
+# 16% of later values clipped, rel-L2 34%).
+V_HEADROOM = 256.0
+
 
 class KVCacheLayer:
     """One layer's view of a :class:`PagedKVCache`: what the append, prefill and decode calls take."""
@@ -109,7 +116,7 @@ class PagedKVCache:
 
     __getitem__ = layer
 
-    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = 2.0) -> None:
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = V_HEADROOM) -> None:
         """Fix ``layer``'s mu_K and V channel scales from sample keys and values ``[tokens, H_kv, D]``
         (e.g. the first prefill). V scale = headroom * amax / 448 per channel, so later values up to
         ``headroom`` times the sample's stay unsaturated. Call before the layer's first append:

@@ -99,7 +99,7 @@ def test_calibrate_sets_mu_k_and_v_scale(recipe):
     assert torch.allclose(c.mu_k[1], k.float().mean(0), rtol=1e-6, atol=1e-6)
     assert (c.mu_k[1, :, 3] > 15).all()                  # the outlier channel's mean
     amax = v.float().abs().amax(0)
-    want = torch.where(amax > 0, amax * 2 / 448, torch.ones_like(amax))
+    want = torch.where(amax > 0, amax * 256 / 448, torch.ones_like(amax))
     assert torch.equal(c.v_scale[1], want)
     assert c.v_scale[1, 1, 7].item() == 1.0
     assert torch.equal(layer.mu_k, c.mu_k[1]) and torch.equal(layer.v_scale, c.v_scale[1])

@@ -225,12 +225,28 @@ def test_no_results_leaves_an_empty_section(tmp_path):
 
 
 def test_files_of_other_scripts_get_a_generic_table(tmp_path):
-    results_io.write("e2e_sglang_h200", {"command": "python -m x"}, {"worst_rel_l2": 0.004},
+    results_io.write("study_h200", {"command": "python -m x"}, {"worst_rel_l2": 0.004},
                      [{"recipe": "qk4pv8", "rel_l2": 0.004, "cos": 0.99999}], tmp_path)
     section = report.render_section(tmp_path, tmp_path)
-    assert "### e2e_sglang_h200" in section
+    assert "### study_h200" in section
     assert parse_table(section, "recipe") == [{"recipe": "qk4pv8", "rel_l2": "0.004",
                                                "cos": "1"}]
+
+
+def test_sglang_check_results_get_their_table_and_summary_check(tmp_path):
+    rows = [{"part": "capacity", "config": "flashinfer-bf16", "status": "ok", "max_total_num_tokens": 1000,
+             "startup_s": 60.0, "model": "llama-3.1-8b"},
+            {"part": "capacity", "config": "mpfa-qk4pv8", "status": "ok", "max_total_num_tokens": 2510,
+             "startup_s": 61.0, "model": "llama-3.1-8b"}]
+    from benchmarks.e2e import sglang_check
+    results_io.write("e2e_sglang_h200", {"command": "python -m benchmarks.e2e.sglang_check"},
+                     sglang_check.summarize(rows), rows, tmp_path)
+    section = report.render_section(tmp_path, tmp_path)
+    table = parse_table(section, "part")
+    assert table[1]["configuration"] == "mpfa-qk4pv8" and table[1]["max_total_num_tokens"] == "2,510"
+    assert "kv_capacity_ratio 2.51" in section and report.summary_mismatches(tmp_path) == []
+    results_io.write("e2e_sglang_h200", {"command": "x"}, {"kv_capacity_ratio": 3.0}, rows, tmp_path)
+    assert report.summary_mismatches(tmp_path)
 
 
 def test_accuracy_results_get_the_per_recipe_table(tmp_path):

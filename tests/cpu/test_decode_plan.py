@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import mpfa_jit
-from mpfa.decode import MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, workspace_bytes
+from mpfa.decode import (MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, fixed_split_policy,
+                          workspace_bytes)
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import decode as decode_op
 from mpfa_jit.render import render
@@ -86,6 +87,20 @@ def test_plan_validates_on_cpu_reference():
     assert w.num_splits is None
     with pytest.raises(ValueError, match="num_splits"):
         w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=0)
+    for bad in (0, 100, -64, 64.0, True):
+        with pytest.raises(ValueError, match="fixed_split_size must be None or a positive multiple of 64"):
+            w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", fixed_split_size=bad)
+
+
+@pytest.mark.parametrize("heads,length", [(3, 8192), (8, 131072), (8, 32768), (1, 131072), (8, 100), (40, 40000)])
+def test_fixed_split_policy(heads, length):
+    size, splits = fixed_split_policy(heads, length, 132)
+    assert size % TILE == 0 and size >= TILE
+    assert (splits - 1) * size < length <= splits * size          # the grid covers the context, no empty tail
+    lone = choose_num_splits(1, heads, length, 132)
+    assert splits <= lone                                          # a lone max-length request gets its split count
+    if length >= MIN_TOKENS_PER_SPLIT * lone:
+        assert size >= MIN_TOKENS_PER_SPLIT
 
 
 @pytest.mark.nvcc

@@ -138,6 +138,44 @@ def test_forced_num_splits_agree(recipe, shared_jit_cache):
         assert _rel_l2(r, results[0]) <= 3e-3
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fixed_split_size_is_batch_invariant(recipe, shared_jit_cache):
+    """fixed_split_size cuts each request the same way whatever the grid or the batch: outputs are
+    bit-identical between the batch's own grid, a larger fixed grid (a CUDA graph's), a grid too small
+    for the longest request (its remainder goes to the last split: correct, not bit-identical) and each
+    request alone; all match the fp64 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"fixed-{recipe}".encode()))
+    hkv, group, d, p = 2, 4, 128, 16
+    lengths = [1, 16, 1000, 4097, 64, 65, 2500]
+    cache, layer, indptr, indices, last = _make_batch(recipe, d, p, hkv, lengths, gen)
+    q = _rows(len(lengths), hkv * group, d, gen)
+    o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
+    ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+
+    def run(num_splits, ip=indptr, ids=indices, lp=last, qq=q):
+        w = mpfa.BatchDecodeWrapper(ws)
+        w.plan(ip, ids, lp, hkv * group, hkv, d, p, recipe=recipe, num_splits=num_splits, fixed_split_size=512)
+        o, lse = w.run(qq, layer, out=torch.full_like(qq, float("nan")), return_lse=True)
+        torch.cuda.synchronize()
+        return w.num_splits, o.clone(), lse.clone()
+
+    splits, o_own, lse_own = run(None)
+    assert splits == -(-4097 // 512)
+    _check(o_own, lse_own, o_ref, lse_ref)
+    _, o_big, lse_big = run(40)
+    assert torch.equal(o_big, o_own) and torch.equal(lse_big, lse_own)
+    _, o_small, lse_small = run(3)   # 4097 and 2500 tokens need 9 and 5 splits of 512: remainders
+    _check(o_small, lse_small, o_ref, lse_ref)
+    for b in (2, 3, 6):
+        pages = indices[int(indptr[b]):int(indptr[b + 1])]
+        ip1 = torch.tensor([0, pages.numel()], dtype=torch.int32, device="cuda")
+        _, o1, lse1 = run(40, ip1, pages, last[b:b + 1], q[b:b + 1].contiguous())
+        assert torch.equal(o1[0], o_own[b]) and torch.equal(lse1[0], lse_own[b]), f"request {b} alone differs"
+    with pytest.raises(ValueError, match="fixed_split_size"):
+        mpfa.BatchDecodeWrapper(ws).plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe,
+                                         fixed_split_size=100)
+
+
 def test_workspace_too_small_names_the_buffer(shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(5)
     cache, layer, indptr, indices, last = _make_batch("qk4pv8", 128, 16, 2, [4000, 4000], gen)

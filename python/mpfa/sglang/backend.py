@@ -6,10 +6,14 @@ every layer then appends its new K/V into the compressed pool at ``forward_batch
 (a layer's first extend batch fixes its mu_K / V scales) and runs the planned wrapper.
 
 CUDA graphs (decode; SGLang 0.5.17's contract in base_attn_backend.py): ``init_cuda_graph_state``
-allocates capture-stable page-table buffers; ``init_forward_metadata_out_graph(fb, in_capture)`` runs
-outside the graph at capture and before every replay: it rebuilds the page table with fixed-shape GPU
-ops and re-plans that batch size's decode wrapper with the split count fixed at capture, which writes
-the new table into the buffers the captured kernels read. ``init_forward_metadata_in_graph`` is a no-op.
+allocates capture-stable page-table buffers and the graphs' split workspace;
+``init_forward_metadata_out_graph(fb, in_capture)`` runs outside the graph at capture and before every
+replay: it rebuilds the page table with fixed-shape GPU ops and refreshes that batch size's decode
+wrapper, which copies the new table into the buffers the captured kernels read.
+``init_forward_metadata_in_graph`` is a no-op.
+
+Decode splits are batch-invariant (``mpfa.decode.fixed_split_policy``): eager and graph decode cut each
+request into the same fixed-size KV splits, so a server gives the same tokens with graphs on and off.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import math
 
 import torch
 
-from ..decode import BatchDecodeWrapper, choose_num_splits
+from ..decode import BatchDecodeWrapper, fixed_split_policy, workspace_bytes as decode_workspace_bytes
 from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_bytes
 from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
 from .page_table import build_page_table, page_table_capacity
@@ -82,6 +86,8 @@ class MpfaAttnBackend(AttentionBackend):
         self.max_context_len = mc.context_len
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         kb = self.settings.kernel_backend
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.split_size, self.graph_splits = fixed_split_policy(self.num_kv_heads, self.max_context_len, sms)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWrapper(self.workspace, backend=kb)
         self.decode_wrapper = BatchDecodeWrapper(self.workspace, backend=kb)
@@ -116,8 +122,10 @@ class MpfaAttnBackend(AttentionBackend):
             raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} does not support speculative decoding")
         indptr, indices, last = self._page_table(forward_batch)
         if mode.is_decode():
+            self._fit_decode_workspace(forward_batch)
             self.decode_wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe)
+                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe,
+                                     fixed_split_size=self.split_size)
             self._active = self.decode_wrapper
         else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
             bs = forward_batch.batch_size
@@ -130,6 +138,19 @@ class MpfaAttnBackend(AttentionBackend):
                                       sm_scale=self.sm_scale, recipe=self.recipe,
                                       compensation=self.settings.compensation)
             self._active = self.prefill_wrapper
+
+    def _fit_decode_workspace(self, forward_batch):
+        """Eager decode's split partials (fp32 O and LSE per split, request and query head): grow the eager
+        decode wrapper's buffer for a large batch. Graph wrappers keep their own (init_cuda_graph_state)."""
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        longest = int(lens.max()) if lens is not None and len(lens) else self.max_context_len
+        splits = max(1, -(-longest // self.split_size))
+        need = decode_workspace_bytes(splits, forward_batch.batch_size, self.num_qo_heads, self.head_dim)
+        if need > self.decode_wrapper.workspace_buffer.numel():
+            size = max(need, 2 * self.decode_wrapper.workspace_buffer.numel())
+            logger.info("mpfa backend: decode workspace grows to %.0f MiB (batch %d)", size / 2**20,
+                        forward_batch.batch_size)
+            self.decode_wrapper.workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _fit_prefill_workspace(self, forward_batch, max_extend_len: int):
         """The extend kernel's workspace holds MMA-ready images of every key of the batch (about 2 bytes
@@ -150,7 +171,9 @@ class MpfaAttnBackend(AttentionBackend):
     # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         cap = page_table_capacity(max_bs, self.max_pages_per_req, self.cache.num_pages)
+        ws = max(1, decode_workspace_bytes(self.graph_splits, max_bs, self.num_qo_heads, self.head_dim))
         self._graph = dict(
+            workspace=torch.empty(ws, dtype=torch.uint8, device=self.device),
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             last=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
             indices=torch.zeros(cap, dtype=torch.int32, device=self.device))
@@ -172,12 +195,13 @@ class MpfaAttnBackend(AttentionBackend):
             last_page_len_out=g["last"][:bs])
         wrapper = self._graph_decode.get(bs)
         if wrapper is None:   # one wrapper per batch size: every graph of that size reads its buffers
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            splits = choose_num_splits(bs, self.num_kv_heads, self.max_context_len, sms)
-            wrapper = BatchDecodeWrapper(self.workspace, backend=self.settings.kernel_backend)
-            # Planned once per batch size with the full-size index table; replays only refresh the table.
+            wrapper = BatchDecodeWrapper(g["workspace"], backend=self.settings.kernel_backend)
+            # Planned once per batch size with the full-size index table and the grid that covers the
+            # context length; replays only refresh the table. Graphs of different sizes share the split
+            # workspace: one replays at a time.
             wrapper.plan(indptr, g["indices"], last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                         self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits)
+                         self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=self.graph_splits,
+                         fixed_split_size=self.split_size)
             self._graph_decode[bs] = wrapper
         else:
             wrapper.update_page_table(indptr, g["indices"], last)   # no host synchronization per step

@@ -1,0 +1,145 @@
+"""CPU tests of benchmarks/e2e: the SGLang check's prompt plan, agreement arithmetic, summary and row
+merging (pure functions over rows: no SGLang, no GPU), and the SmolLM2 GGUF -> HF conversion (when the
+model and ``gguf`` are installed)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if importlib.util.find_spec("benchmarks") is None:  # `pytest` run without the repo on sys.path
+    sys.path.append(str(REPO))
+
+from benchmarks.e2e import sglang_check as sc  # noqa: E402
+from benchmarks.e2e import smollm2_hf  # noqa: E402
+
+
+def test_prompt_lengths_span_one_to_many_pages():
+    lengths = sc.prompt_lengths()
+    assert len(lengths) == sc.NUM_PROMPTS == 20
+    assert lengths == sorted(lengths) and lengths[0] == 16 and 6000 <= lengths[-1] < 8192 - sc.NEW_TOKENS
+    assert sum(n % sc.PAGE_SIZE != 0 for n in lengths) >= 15   # most end inside a page
+
+
+def test_agreement_is_positionwise_over_the_first_tokens():
+    ref = [[1, 2, 3, 4], [5, 6]]
+    assert sc._agreement(ref, ref) == 1.0
+    assert sc._agreement(ref, [[1, 9, 3, 4], [5, 6]]) == 5 / 6
+    assert sc._agreement(ref, [[1, 2, 3, 4, 7], [0, 6]], n=2) == 3 / 4
+
+
+def test_logprob_gaps():
+    scored = {"chosen_logprob": [-0.1, -2.0, -0.5], "top1_logprob": [-0.1, -0.7, -0.5 + 1e-9]}
+    gaps = sc.logprob_gaps(scored)
+    assert gaps[0] == 0.0 and gaps[1] == pytest.approx(1.3) and gaps[2] == pytest.approx(1e-9)
+    with pytest.raises(ValueError, match="no log-probability"):
+        sc.logprob_gaps({"chosen_logprob": [None], "top1_logprob": [-1.0]})
+
+
+def _agreement_rows(pset="stdlib"):
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    rows = [{"part": "agreement", "prompt_set": pset, "config": "flashinfer-bf16", "status": "ok",
+             "output_ids": ref, "output_ids_cached_pass": [[1, 2, 3, 4], [5, 6, 0, 0]]},
+            {"part": "agreement", "prompt_set": pset, "config": "mpfa-bf16-graphs-on", "status": "ok",
+             "output_ids": ref, "output_ids_cached_pass": ref},
+            {"part": "agreement", "prompt_set": pset, "config": "mpfa-qk4pv8-graphs-on", "status": "ok",
+             "output_ids": [[1, 2, 9, 9], [5, 6, 7, 8]], "output_ids_cached_pass": [[1, 2, 9, 9], [5, 6, 7, 8]]},
+            {"part": "agreement", "prompt_set": pset, "config": "mpfa-qk4pv8-graphs-off", "status": "ok",
+             "output_ids": [[1, 2, 9, 9], [5, 6, 7, 0]], "output_ids_cached_pass": [[1, 2, 9, 9], [5, 6, 7, 0]]},
+            {"part": "agreement", "prompt_set": pset, "config": sc.SCORER, "status": "ok",
+             "logprob_gaps": {"flashinfer-bf16": [[0, 0, 0.02, 0], [0, 0, 0, 0]],
+                              "mpfa-bf16-graphs-on": [[0, 0, 0.01, 0], [0, 0, 0, 0]],
+                              "mpfa-qk4pv8-graphs-on": [[0, 0, 0.5, 0.01], [0, 0, 0, 0]]}}]
+    return rows
+
+
+def test_summary_of_agreement_rows():
+    s = sc.summarize(_agreement_rows())
+    d = s["agreement_by_prompt_set"]["stdlib"]
+    assert s["greedy_agreement"] == {"bf16": 1.0, "qk4pv8": 0.75}
+    assert d["reference_self_agreement"] == 0.75
+    assert d["cuda_graph_on_off_agreement"] == {"qk4pv8": 7 / 8}
+    assert d["greedy_agreement_graphs_off"] == {"qk4pv8": 5 / 8}
+    assert d["reference_max_logprob_gap"] == 0.02
+    assert d["teacher_forced_agreement"] == {"bf16": 7 / 8, "qk4pv8": 6 / 8}
+    assert d["tie_aware_agreement"] == {"bf16": 1.0, "qk4pv8": 7 / 8}
+
+
+def test_summary_takes_the_worst_prompt_set_and_survives_partial_runs():
+    rows = _agreement_rows("stdlib") + _agreement_rows("kjv")
+    kjv_q4 = next(r for r in rows if r["prompt_set"] == "kjv" and r["config"] == "mpfa-qk4pv8-graphs-on")
+    kjv_q4["output_ids"] = [[0, 0, 0, 0], [5, 6, 7, 8]]     # worse on kjv than on stdlib
+    s = sc.summarize(rows)
+    assert s["greedy_agreement"]["qk4pv8"] == 0.5 and set(s["agreement_by_prompt_set"]) == {"stdlib", "kjv"}
+    only_ref = sc.summarize(_agreement_rows()[:1])   # a run killed after the reference
+    assert only_ref["greedy_agreement"] == {} and "reference_self_agreement" in only_ref["agreement_by_prompt_set"]["stdlib"]
+    assert sc.summarize([]) == {}
+
+
+def test_summary_of_capacity_and_launch():
+    rows = [{"part": "capacity", "config": "flashinfer-bf16", "status": "ok", "max_total_num_tokens": 1000},
+            {"part": "capacity", "config": "mpfa-qk4pv8", "status": "ok", "max_total_num_tokens": 2510},
+            {"part": "capacity", "config": "mpfa-qk8pv8", "status": "error", "error": "boom"},
+            {"part": "launch", "config": "llama-3.1-8b-qk4pv8", "status": "ok"}]
+    s = sc.summarize(rows)
+    assert s["kv_capacity_ratio"] == 2.51 and "mpfa-qk8pv8" not in s["kv_capacity_ratio_vs_flashinfer_bf16"]
+    assert s["launch_command_serves_generate"] is True
+    rows[-1]["status"] = "error"
+    assert sc.summarize(rows)["launch_command_serves_generate"] is False
+
+
+def test_merge_rows_replaces_what_was_measured_again():
+    old = [{"part": "agreement", "prompt_set": "stdlib", "config": "a"},
+           {"part": "agreement", "prompt_set": "kjv", "config": "a"},
+           {"part": "capacity", "config": "x"}, {"part": "launch", "config": "l"}]
+    new = [{"part": "agreement", "prompt_set": "kjv", "config": "b"}, {"part": "capacity", "config": "y"}]
+    merged = sc.merge_rows(old, new)
+    assert [(r["part"], r.get("prompt_set"), r["config"]) for r in merged] == [
+        ("agreement", "stdlib", "a"), ("agreement", "kjv", "b"), ("capacity", None, "y"), ("launch", None, "l")]
+
+
+def test_engine_args_keep_mpfa_prefill_graphs_off():
+    a = sc._engine_args(Path("/m"), "mpfa", graphs=True, mem_fraction=0.3, context_length=8192, dummy=True)
+    assert a["disable_prefill_cuda_graph"] and "disable_decode_cuda_graph" not in a and a["load_format"] == "dummy"
+    f = sc._engine_args(Path("/m"), "flashinfer", graphs=False, mem_fraction=0.3, context_length=8192, dummy=False,
+                        kv_cache_dtype="fp8_e4m3")
+    assert f["disable_decode_cuda_graph"] and f["kv_cache_dtype"] == "fp8_e4m3" and "load_format" not in f
+
+
+def test_committed_result_summary_matches_its_rows():
+    path = REPO / "benchmarks" / "results" / f"{sc.RESULT}.json"
+    if not path.exists():
+        pytest.skip("no committed e2e_sglang_h200.json yet")
+    result = json.loads(path.read_text())
+    from benchmarks.report import _same
+    from benchmarks.results_io import normalize
+    assert _same(normalize(sc.summarize(result["rows"])), normalize(result["summary"]))
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's Q/K row permutation (the inverse of smollm2_hf._unpermute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("heads", [3, 9])
+def test_unpermute_inverts_llama_cpp(heads):
+    w = np.random.default_rng(0).standard_normal((heads * 64, 40)).astype(np.float32)
+    assert np.array_equal(smollm2_hf._unpermute(_llama_cpp_permute(w, heads), heads), w)
+    assert not np.array_equal(_llama_cpp_permute(w, heads), w)
+
+
+def test_conversion_matches_the_committed_config(tmp_path):
+    from benchmarks.accuracy import model
+    why = model.missing_requirements()
+    if why:
+        pytest.skip(f"SmolLM2 GGUF not available here: {why}")
+    import gguf
+    reader = gguf.GGUFReader(str(Path(model.gguf_dir()) / model.GGUF_NAME))
+    cfg = smollm2_hf.hf_config(reader)
+    committed = json.loads((REPO / "server_configs/models/smollm2-135m/config.json").read_text())
+    assert cfg == committed
