@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from benchmarks import results_io
 REPO = Path(__file__).resolve().parents[2]
 RESULT = "e2e_sglang_h200"
 PARTS = ("agreement", "capacity", "launch")
+ALL_PARTS = PARTS + ("throughput", "soak", "tp")   # the last three: benchmarks.e2e.throughput
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 SMOLLM2_DIR = REPO / "server_configs" / "models" / "smollm2-135m"
 LLAMA_DIR = REPO / "server_configs" / "models" / "llama-3.1-8b"
@@ -368,7 +370,7 @@ def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
 
 def summarize(rows: list[dict]) -> dict:
     """``greedy_agreement`` is the lowest over the prompt sets measured (each set's figures are kept)."""
-    ok = {(r["part"], r["config"]): r for r in rows if r.get("status") == "ok" and r["part"] != "agreement"}
+    ok = {(r["part"], r.get("config")): r for r in rows if r.get("status") == "ok" and r["part"] != "agreement"}
     out: dict = {}
     by_set = _agreement_by_set(rows)
     if by_set:
@@ -391,15 +393,59 @@ def summarize(rows: list[dict]) -> dict:
     launch = [r for r in rows if r["part"] == "launch"]
     if launch:
         out["launch_command_serves_generate"] = all(r.get("status") == "ok" for r in launch)
+    out.update(_throughput_summary(rows))
+    return out
+
+
+def _throughput_summary(rows: list[dict]) -> dict:
+    """Output-throughput ratios of mpfa qk4pv8 over SGLang + FlashInfer (BF16 and FP8 KV) per model and
+    input length (TP 1), their geometric means for Llama-3.1-8B, TTFT at concurrency 1, soak and TP checks."""
+    tput = {}
+    for r in rows:
+        if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1 and r.get("output_throughput"):
+            tput[(r["model"], r["input_len"], r["config"])] = r
+    out: dict = {}
+    for peer, key in (("flashinfer-bf16", "output_throughput_ratio_vs_flashinfer_bf16"),
+                      ("flashinfer-fp8", "output_throughput_ratio_vs_flashinfer_fp8")):
+        ratios = {}
+        for (model, length, config), r in sorted(tput.items()):
+            other = tput.get((model, length, peer))
+            if config == "mpfa-qk4pv8" and other:
+                label = str(length) if model == "llama-3.1-8b" else f"{model}/{length}"
+                ratios[label] = r["output_throughput"] / other["output_throughput"]
+        if ratios:
+            out[key] = ratios
+            llama = [v for k, v in ratios.items() if "/" not in k]
+            if llama:
+                out[key + "_geomean"] = math.exp(sum(math.log(v) for v in llama) / len(llama))
+    ttft = {}
+    for (model, length, config), r in sorted(tput.items()):
+        other = tput.get((model, length, "flashinfer-bf16"))
+        if config == "mpfa-qk4pv8" and other and r.get("ttft_concurrency1_s") and other.get("ttft_concurrency1_s"):
+            ttft[str(length) if model == "llama-3.1-8b" else f"{model}/{length}"] = (
+                r["ttft_concurrency1_s"] / other["ttft_concurrency1_s"])
+    if ttft:
+        out["ttft_concurrency1_ratio_vs_flashinfer_bf16"] = ttft
+    soak = [r for r in rows if r["part"] == "soak"]
+    if soak:
+        out["soak_ok"] = all(r.get("status") == "ok" for r in soak)
+    tp = [r for r in rows if r["part"] == "tp" and r.get("status") == "ok"]
+    if tp:
+        out["tp2_tp1_token_agreement"] = min(r["tp2_tp1_token_agreement"] for r in tp)
     return out
 
 
 # --- main ----------------------------------------------------------------------------------------------------------
+def _merge_key(r: dict) -> tuple:
+    return r.get("part"), r.get("prompt_set"), r.get("group")
+
+
 def merge_rows(previous: list[dict], new: list[dict]) -> list[dict]:
-    """The file's rows after a run: a (part, prompt set) measured now replaces its earlier rows; the rest stay."""
-    fresh = {(r["part"], r.get("prompt_set")) for r in new}
-    kept = [r for r in previous if (r.get("part"), r.get("prompt_set")) not in fresh]
-    return sorted(kept + new, key=lambda r: PARTS.index(r["part"]))
+    """The file's rows after a run: what was measured again (same part and prompt set, or same group for
+    the throughput rows) replaces its earlier rows; the rest stay."""
+    fresh = {_merge_key(r) for r in new}
+    kept = [r for r in previous if _merge_key(r) not in fresh]
+    return sorted(kept + new, key=lambda r: ALL_PARTS.index(r["part"]))
 
 
 def _read_existing(path: Path) -> list[dict]:

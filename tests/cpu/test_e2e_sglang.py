@@ -143,3 +143,72 @@ def test_conversion_matches_the_committed_config(tmp_path):
     cfg = smollm2_hf.hf_config(reader)
     committed = json.loads((REPO / "server_configs/models/smollm2-135m/config.json").read_text())
     assert cfg == committed
+
+
+# --- benchmarks.e2e.throughput / server: the pure parts (the servers run on the H200) -----------------------------
+from benchmarks.e2e import throughput as tp  # noqa: E402
+from benchmarks.e2e.server import StreamResult, _tokens_so_far  # noqa: E402
+
+
+def test_server_argv_per_configuration():
+    argv, env = tp.server_argv("flashinfer-fp8", "llama-3.1-8b", context_length=33856, mem_fraction=0.85, tp=1, port=9)
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and argv[argv.index("--attention-backend") + 1] == "flashinfer"
+    assert env == {} and "--disable-prefill-cuda-graph" not in argv
+    argv, env = tp.server_argv("mpfa-qk4pv8", "qwen3-14b", context_length=66560, mem_fraction=0.85, tp=2, port=9)
+    assert env == {"MPFA_RECIPE": "qk4pv8"} and "--disable-prefill-cuda-graph" in argv
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--model-path") + 1].endswith("qwen3-14b")
+    assert argv[argv.index("--page-size") + 1] == "16" and "--load-format" in argv
+
+
+def test_same_inputs_for_every_configuration():
+    a, b = tp.make_inputs(3, 50, 1000), tp.make_inputs(3, 50, 1000)
+    assert a == b and len(a) == 3 and all(len(x) == 50 and 100 <= min(x) and max(x) < 900 for x in a)
+    assert tp.make_inputs(3, 50, 1000, seed=1) != a
+
+
+def test_requests_fill_the_largest_pool_twice():
+    rows = [{"part": "capacity", "model": "llama-3.1-8b", "config": "flashinfer-bf16", "status": "ok",
+             "max_total_num_tokens": 1000},
+            {"part": "capacity", "model": "llama-3.1-8b", "config": "flashinfer-fp8_e4m3", "status": "ok",
+             "max_total_num_tokens": 2000},
+            {"part": "agreement", "model": "smollm2-135m", "config": "mpfa-qk4pv8-graphs-on", "status": "ok",
+             "max_total_num_tokens": 99999}]
+    pools = tp.estimated_pool_tokens(rows, "llama-3.1-8b", tp.CONFIGS)
+    assert pools["flashinfer-fp8"] == 2000 and pools["mpfa-qk4pv8"] == int(1000 * 512 / 204)   # measured / bytes ratio
+    assert tp.requests_to_fill(pools, tp.CONFIGS, 90, 10) == -(-2 * pools["mpfa-qk4pv8"] // 100)
+    assert tp.requests_to_fill(pools, ["flashinfer-bf16"], 90, 10) == 20
+    with pytest.raises(ValueError, match="no measured max_total_num_tokens"):
+        tp.estimated_pool_tokens(rows, "qwen3-14b", tp.CONFIGS)
+
+
+def test_stream_metrics():
+    r = StreamResult(start=10.0, chunk_times=[10.5, 10.6, 10.9], chunk_tokens=[1, 2, 5])
+    assert r.ttft == 0.5 and r.output_tokens == 5
+    assert r.itls() == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    bad = StreamResult(start=0.0, error="HTTP 500")
+    s = tp.summarize_run([r, bad], wall_s=2.0, input_len=100)
+    assert s["completed"] == 1 and s["errors"] == 1 and s["first_error"] == "HTTP 500"
+    assert s["output_throughput"] == 2.5 and s["total_throughput"] == 52.5 and s["ttft_mean_s"] == 0.5
+    assert s["itl_mean_ms"] == pytest.approx(100.0)
+    assert _tokens_so_far({"meta_info": {"completion_tokens": 7}}, 3, [1]) == 7
+    assert _tokens_so_far({}, 3, [1, 2]) == 5
+
+
+def test_throughput_summary():
+    def row(config, length, t, model="llama-3.1-8b", ttft=1.0):
+        return {"part": "throughput", "model": model, "config": config, "input_len": length, "tp": 1, "status": "ok",
+                "output_throughput": t, "ttft_concurrency1_s": ttft, "group": f"{model}/{length}/{config}"}
+    rows = [row("flashinfer-bf16", 32768, 100.0), row("mpfa-qk4pv8", 32768, 250.0, ttft=0.9),
+            row("flashinfer-fp8", 32768, 200.0),
+            row("flashinfer-bf16", 65536, 50.0), row("mpfa-qk4pv8", 65536, 160.0),
+            row("flashinfer-bf16", 65536, 10.0, model="qwen3-14b"), row("mpfa-qk4pv8", 65536, 30.0, model="qwen3-14b"),
+            {"part": "soak", "status": "ok", "group": "soak/x"},
+            {"part": "tp", "status": "ok", "tp2_tp1_token_agreement": 1.0, "group": "tp/x"}]
+    s = sc.summarize(rows)
+    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.5, "65536": 3.2, "qwen3-14b/65536": 3.0}
+    assert s["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx((2.5 * 3.2) ** 0.5)
+    assert s["output_throughput_ratio_vs_flashinfer_fp8"] == {"32768": 1.25}
+    assert s["ttft_concurrency1_ratio_vs_flashinfer_bf16"]["32768"] == pytest.approx(0.9)
+    assert s["soak_ok"] is True and s["tp2_tp1_token_agreement"] == 1.0
+    merged = sc.merge_rows(rows, [row("mpfa-qk4pv8", 32768, 300.0)])
+    assert len(merged) == len(rows) and sc.summarize(merged)["output_throughput_ratio_vs_flashinfer_bf16"]["32768"] == 3.0

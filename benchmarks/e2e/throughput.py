@@ -1,0 +1,296 @@
+"""SGLang end to end at long context: throughput of ``--attention-backend mpfa`` against FlashInfer.
+
+    python -m benchmarks.e2e.throughput --input-len 32768 [--model llama-3.1-8b] [--configs ...] [--requests N]
+    python -m benchmarks.e2e.throughput --soak [--soak-requests 200]     # mixed lengths, cancellations
+    python -m benchmarks.e2e.throughput --tp-check                        # TP=2 vs TP=1 outputs (2 GPUs)
+
+Each configuration is one SGLang server (``python -m sglang.launch_server``, dummy weights, page size 16,
+``--mem-fraction-static`` of the default server config, SGLang's default chunked prefill) serving the
+same input_ids: ``flashinfer-bf16`` and ``flashinfer-fp8`` (``--kv-cache-dtype fp8_e4m3``) are SGLang's
+own FlashInfer backend, ``mpfa-<recipe>`` ours. A streaming client sends every request at once (or at most
+``--concurrency``) with ``ignore_eos`` and records, per configuration: output and total throughput (tokens
+per second of wall time from the first request sent to the last token received), time to first token and
+inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors. With
+``--ttft-probe`` (default on) one more request runs alone afterwards: TTFT at concurrency 1.
+
+``--requests auto`` sends enough requests to fill the largest pool of the configurations twice (from
+``max_total_num_tokens`` rows already in the results file, else from the recipes' bytes per token).
+Rows go to ``benchmarks/results/e2e_sglang_h200.json`` (part ``throughput`` / ``soak`` / ``tp``), replacing
+earlier rows of the same configuration and length; the summary is ``benchmarks.e2e.sglang_check``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchmarks import meta as bench_meta
+from benchmarks import results_io
+from benchmarks.e2e import sglang_check
+from benchmarks.e2e.server import Server, server_info, stream_generate
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
+          "qwen3-14b": REPO / "server_configs/models/qwen3-14b"}
+CONFIGS = ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
+BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256, "mpfa-bf16": 512, "mpfa-qk8pv8": 260,
+                             "mpfa-qk4pv8": 204}
+PORT = 30611
+
+
+def server_argv(config: str, model: str, *, context_length: int, mem_fraction: float, tp: int, port: int) -> tuple[list, dict]:
+    """(argv, extra environment) of one configuration's server."""
+    backend = "mpfa" if config.startswith("mpfa-") else "flashinfer"
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODELS[model]), "--load-format", "dummy",
+            "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", "16", "--context-length",
+            str(context_length), "--mem-fraction-static", str(mem_fraction), "--tp-size", str(tp), "--port", str(port),
+            "--random-seed", "0", "--log-level", "warning"]
+    env = {}
+    if config == "flashinfer-fp8":
+        argv += ["--kv-cache-dtype", "fp8_e4m3"]
+    if backend == "mpfa":
+        argv += ["--disable-prefill-cuda-graph"]   # mpfa captures decode graphs only (docs/sglang.md)
+        env["MPFA_RECIPE"] = config.split("-", 1)[1]
+    return argv, env
+
+
+def make_inputs(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """The same random token ids for every configuration (dummy weights: any ids are valid input)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def requests_to_fill(pool_tokens: dict[str, int], configs, input_len: int, output_len: int, fills: float = 2.0) -> int:
+    largest = max(pool_tokens[c] for c in configs)
+    return max(1, math.ceil(fills * largest / (input_len + output_len)))
+
+
+def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, int]:
+    """max_total_num_tokens per configuration: measured (capacity / throughput rows of this model) or,
+    where missing, flashinfer-bf16's scaled by the bytes-per-token ratio."""
+    measured = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("max_total_num_tokens") and r.get("model") == model:
+            name = {"flashinfer-fp8_e4m3": "flashinfer-fp8"}.get(r["config"], r["config"])
+            measured.setdefault(name, r["max_total_num_tokens"])
+    base = measured.get("flashinfer-bf16")
+    if base is None:
+        raise ValueError(f"no measured max_total_num_tokens for {model} flashinfer-bf16 in the results: pass "
+                         "--requests N, or run benchmarks.e2e.sglang_check --parts capacity first")
+    return {c: measured.get(c, int(base * 512 / BYTES_PER_TOKEN_HEAD_D128[c])) for c in configs}
+
+
+def percentile(values, q):
+    from benchmarks.stats import percentile as p
+    return p(values, q) if values else None
+
+
+def summarize_run(results, wall_s: float, input_len: int) -> dict:
+    ok = [r for r in results if r.error is None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls()]
+    return {
+        "requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+        "first_error": next((r.error for r in results if r.error), None),
+        "output_tokens": out_tokens, "wall_s": wall_s,
+        "output_throughput": out_tokens / wall_s if wall_s > 0 else None,
+        "total_throughput": (out_tokens + input_len * len(ok)) / wall_s if wall_s > 0 else None,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None, "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_mean_ms": 1e3 * sum(itls) / len(itls) if itls else None,
+        "itl_p50_ms": 1e3 * percentile(itls, 50) if itls else None,
+        "itl_p99_ms": 1e3 * percentile(itls, 99) if itls else None,
+    }
+
+
+def run_load(port: int, inputs, output_len: int, concurrency: int | None, progress=None):
+    sp = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency or len(inputs)) as pool:
+        futures = [pool.submit(stream_generate, port, ids, sp) for ids in inputs]
+        results = []
+        for f in futures:
+            results.append(f.result())
+            if progress:
+                progress()
+    return results, time.perf_counter() - t0
+
+
+def run_config(config: str, args, inputs, log_dir: Path, bar) -> dict:
+    vocab_ctx = args.input_len + args.output_len
+    context = max(vocab_ctx + 64, 4096)
+    argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
+                                  tp=args.tp, port=PORT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"}
+    env.update(env_extra, HF_HUB_OFFLINE="1")
+    row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
+           "output_len": args.output_len, "tp": args.tp, "concurrency": args.concurrency or len(inputs),
+           "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}"}
+    t0 = time.perf_counter()
+    try:
+        with Server(argv, env, log_dir / f"throughput-{args.model}-{args.input_len}-{config}.log", PORT) as srv:
+            row["startup_s"] = round(srv.startup_s, 1)
+            row["max_total_num_tokens"] = server_info(srv.base).get("max_total_num_tokens")
+            bar.set_description(f"{config} {args.input_len // 1024}K: {len(inputs)} requests")
+            results, wall = run_load(PORT, inputs, args.output_len, args.concurrency)
+            row.update(summarize_run(results, wall, args.input_len))
+            if args.ttft_probe:
+                probe, _ = run_load(PORT, inputs[:1], min(args.output_len, 16), 1)
+                row["ttft_concurrency1_s"] = probe[0].ttft
+            row["server_alive"] = srv.alive()
+        row["status"] = "ok" if row["errors"] == 0 else "error"
+    except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    bar.update(1)
+    return row
+
+
+def run_soak(args, log_dir: Path) -> dict:
+    """200 mixed requests (1 to 100K tokens) at once, every 7th cancelled after a few chunks, against the
+    default mpfa server; then the server must still answer a generate."""
+    rng = random.Random(1)
+    lengths = [max(1, int(math.exp(rng.uniform(0, math.log(100_000))))) for _ in range(args.soak_requests)]
+    lengths[0] = 100_000                                        # the 100K-token request
+    argv, env_extra = server_argv("mpfa-qk4pv8", args.model, context_length=131072, mem_fraction=args.mem_fraction,
+                                  tp=args.tp, port=PORT)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"},
+           **env_extra, "HF_HUB_OFFLINE": "1"}
+    row = {"part": "soak", "model": args.model, "config": "mpfa-qk4pv8", "requests": len(lengths),
+           "group": f"soak/{args.model}"}
+    t0 = time.perf_counter()
+    log = log_dir / f"soak-{args.model}.log"
+    try:
+        from tqdm import tqdm
+        with Server(argv, env, log, PORT) as srv, tqdm(total=len(lengths), desc="soak", unit="req", file=sys.stderr) as bar:
+            inputs = [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
+            outs = [rng.choice((1, 16, 256)) for _ in lengths]
+
+            def one(i):
+                cancel = 3 if i % 7 == 3 else None
+                r = stream_generate(PORT, inputs[i], {"max_new_tokens": outs[i], "temperature": 0.0, "ignore_eos": True},
+                                    cancel_after_chunks=cancel)
+                bar.update(1)
+                return r
+            with ThreadPoolExecutor(max_workers=64) as pool:
+                results = list(pool.map(one, range(len(lengths))))
+            errors = [r.error for r in results if r.error]
+            finished = [r for r, n in zip(results, outs) if not r.cancelled and r.error is None]
+            long_req = results[0]
+            row.update(completed=len(finished), cancelled=sum(r.cancelled for r in results), errors=len(errors),
+                       first_errors=errors[:3], wrong_lengths=sum(r.output_tokens != n for r, n in zip(results, outs)
+                                                                   if not r.cancelled and r.error is None),
+                       long_request_tokens=lengths[0], long_request_completed=long_req.error is None
+                       and long_req.output_tokens == outs[0], long_request_ttft_s=long_req.ttft)
+            after = stream_generate(PORT, [11, 12, 13, 14], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            row["answers_after"] = after.error is None and after.output_tokens == 8
+            row["server_alive"] = srv.alive()
+        row["status"] = "ok" if (row["errors"] == 0 and row["wrong_lengths"] == 0 and row["answers_after"]
+                                 and row["long_request_completed"]) else "error"
+    except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def run_tp_check(args, log_dir: Path) -> dict:
+    """bf16 recipe: TP=2 gives the same greedy tokens as TP=1 (dummy weights are seeded identically)."""
+    inputs = make_inputs(8, 2048, 30000, seed=2)
+    outs = {}
+    row = {"part": "tp", "model": args.model, "config": "mpfa-bf16", "group": f"tp/{args.model}"}
+    t0 = time.perf_counter()
+    try:
+        for tp in (1, 2):
+            argv, env_extra = server_argv("mpfa-bf16", args.model, context_length=8192, mem_fraction=args.mem_fraction,
+                                          tp=tp, port=PORT)
+            env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1"}
+            with Server(argv, env, log_dir / f"tp{tp}-{args.model}.log", PORT):
+                res, _ = run_load(PORT, inputs, 32, None)
+                if any(r.error for r in res):
+                    raise RuntimeError(f"TP={tp}: {next(r.error for r in res if r.error)}")
+                outs[tp] = [r.output_ids for r in res]
+        same = sum(a == b for x, y in zip(outs[1], outs[2]) for a, b in zip(x, y))
+        total = sum(len(x) for x in outs[1])
+        row.update(status="ok", tp2_tp1_token_agreement=same / total, requests=len(inputs))
+    except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def save(new_rows: list[dict], out_dir: Path, command: str, parts) -> None:
+    path = out_dir / f"{sglang_check.RESULT}.json"
+    previous = results_io.read(path) if path.exists() else {"meta": {}, "rows": []}
+    rows = sglang_check.merge_rows(previous["rows"], new_rows)
+    meta = bench_meta.collect(command, parts=list(parts))
+    if previous["meta"]:
+        meta["earlier_runs"] = ([{k: previous["meta"].get(k) for k in ("command", "date", "commit")}]
+                                + previous["meta"].get("earlier_runs", []))[:20]
+    results_io.write(sglang_check.RESULT, meta, sglang_check.summarize(rows), rows, out_dir)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.throughput", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
+    ap.add_argument("--input-len", type=int, default=32768)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    ap.add_argument("--requests", default="auto", help="number of requests, or 'auto' (fill the largest pool twice)")
+    ap.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default all)")
+    ap.add_argument("--no-ttft-probe", dest="ttft_probe", action="store_false")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--mem-fraction", type=float, default=0.85)
+    ap.add_argument("--soak", action="store_true", help="run the soak instead (mixed lengths, cancellations)")
+    ap.add_argument("--soak-requests", type=int, default=200)
+    ap.add_argument("--tp-check", action="store_true", help="run the TP=2 vs TP=1 check instead (2 GPUs)")
+    ap.add_argument("--out", default=str(results_io.RESULTS_DIR))
+    args = ap.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    if not configs or any(c not in CONFIGS for c in configs):
+        ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
+    if args.input_len <= 0 or args.output_len <= 0:
+        ap.error("--input-len and --output-len must be positive")
+    out_dir = Path(args.out)
+    log_dir = out_dir / "logs" / "e2e"
+    command = "python -m benchmarks.e2e.throughput " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.soak or args.tp_check:
+        row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
+        save([row], out_dir, command.strip(), [row["part"]])
+        print(json.dumps(row, indent=1))
+        return 0 if row["status"] == "ok" else 1
+    path = out_dir / f"{sglang_check.RESULT}.json"
+    existing = results_io.read(path)["rows"] if path.exists() else []
+    if args.requests == "auto":
+        n = requests_to_fill(estimated_pool_tokens(existing, args.model, configs), configs, args.input_len, args.output_len)
+    else:
+        try:
+            n = int(args.requests)
+        except ValueError:
+            n = 0
+        if n <= 0:
+            ap.error(f"--requests must be a positive integer or 'auto', got {args.requests!r}")
+    vocab = json.loads((MODELS[args.model] / "config.json").read_text())["vocab_size"]
+    inputs = make_inputs(n, args.input_len, vocab)
+    print(f"{len(configs)} configurations x {n} requests of {args.input_len} + {args.output_len} tokens "
+          f"({args.model}, TP {args.tp})", file=sys.stderr)
+    from tqdm import tqdm
+    rows = []
+    with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
+        for config in configs:
+            rows.append(run_config(config, args, inputs, log_dir, bar))
+            save(rows, out_dir, command.strip(), ["throughput"])
+    for r in rows:
+        print(f"{r['config']}: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT(c=1) "
+                                    f"{r.get('ttft_concurrency1_s')}" if r["status"] == "ok" else r.get("error", "")))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
