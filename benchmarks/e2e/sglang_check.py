@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from benchmarks import meta as bench_meta
@@ -260,57 +259,27 @@ def run_engine_part(part: str, out_dir: Path, smollm2: Path, mem_fraction: float
         yield row
 
 
-def _http(url: str, payload: dict | None = None, timeout: float = 120.0):
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        body = r.read().decode()
-    return json.loads(body) if body.strip().startswith(("{", "[")) else body
-
-
 def run_launch_part(out_dir: Path, config: Path, bar, port: int = 30517, timeout: float = CHILD_TIMEOUT_S) -> list[dict]:
     """README's launch command, /generate with input_ids, then the server's max_total_num_tokens."""
+    from benchmarks.e2e.server import Server, http_json, server_info
     bar.set_description(f"launch: {config.name}")
     cmd = [sys.executable, "-m", "mpfa.sglang.launch", str(config), "--", "--port", str(port), "--log-level", "warning"]
-    log_path = out_dir / "logs" / f"launch-{config.stem}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k in ("MPFA_CACHE_DIR",)}
     row = {"part": "launch", "config": config.stem, "backend": "mpfa", "command": " ".join(cmd[1:])}
-    base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode} before answering")
-                if time.perf_counter() - t0 > timeout:
-                    raise RuntimeError(f"no answer from {base}/health in {timeout:.0f} s")
-                try:
-                    _http(f"{base}/health", timeout=5)
-                    break
-                except OSError:
-                    time.sleep(2)
-            row["startup_s"] = round(time.perf_counter() - t0, 1)
+    try:
+        with Server(cmd, env, out_dir / "logs" / f"launch-{config.stem}.log", port, startup_timeout=timeout) as srv:
+            row["startup_s"] = round(srv.startup_s, 1)
             ids = [[(37 * i + 11 * j) % 30000 + 100 for j in range(n)] for i, n in enumerate((5, 777, 3001))]
-            res = _http(f"{base}/generate", {"input_ids": ids, "sampling_params": {
+            res = http_json(f"{srv.base}/generate", {"input_ids": ids, "sampling_params": {
                 "max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}})
             row["generated_tokens"] = [len(r["output_ids"]) for r in res]
-            try:
-                info = _http(f"{base}/server_info")
-            except OSError:   # SGLang versions before /server_info
-                info = _http(f"{base}/get_server_info")
+            info = server_info(srv.base)
             row["max_total_num_tokens"] = info.get("max_total_num_tokens")
             row["attention_backend"] = info.get("attention_backend")
             row["status"] = "ok" if row["generated_tokens"] == [16, 16, 16] else "error"
-        except Exception as e:   # the row records it; the log has the server's side
-            row.update(status="error", error=f"{type(e).__name__}: {e}")
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    except Exception as e:   # the row records it; the log has the server's side
+        row.update(status="error", error=f"{type(e).__name__}: {e}")
     row["seconds"] = round(time.perf_counter() - t0, 1)
     bar.update(1)
     return [row]
