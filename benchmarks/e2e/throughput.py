@@ -2,7 +2,7 @@
 
     python -m benchmarks.e2e.throughput --input-len 32768 [--model llama-3.1-8b] [--configs ...] [--requests N]
     python -m benchmarks.e2e.throughput --soak [--soak-requests 200]     # mixed lengths, cancellations
-    python -m benchmarks.e2e.throughput --tp-check                        # TP=2 vs TP=1 outputs (2 GPUs)
+    python -m benchmarks.e2e.throughput --tp-check                        # TP=2 vs TP=1 (2 GPUs, saved model)
 
 Each configuration is one SGLang server (``python -m sglang.launch_server``, dummy weights, page size 16,
 ``--mem-fraction-static`` of the default server config, SGLang's default chunked prefill) serving the
@@ -12,6 +12,9 @@ own FlashInfer backend, ``mpfa-<recipe>`` ours. A streaming client sends every r
 per second of wall time from the first request sent to the last token received), time to first token and
 inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors. With
 ``--ttft-probe`` (default on) one more request runs alone afterwards: TTFT at concurrency 1.
+
+Input lengths are exact token counts; input + output must fit the model's positions, so "128K" with 1,024
+output tokens is ``--input-len 130048`` for Llama-3.1-8B (131,072 positions).
 
 ``--requests auto`` sends enough requests to fill the largest pool of the configurations twice (from
 ``max_total_num_tokens`` rows already in the results file, else from the recipes' bytes per token).
@@ -44,11 +47,12 @@ BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256, "mpf
 PORT = 30611
 
 
-def server_argv(config: str, model: str, *, context_length: int, mem_fraction: float, tp: int, port: int) -> tuple[list, dict]:
+def server_argv(config: str, model: str, *, context_length: int, mem_fraction: float, tp: int, port: int,
+                model_path: Path | None = None, dummy: bool = True) -> tuple[list, dict]:
     """(argv, extra environment) of one configuration's server."""
     backend = "mpfa" if config.startswith("mpfa-") else "flashinfer"
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODELS[model]), "--load-format", "dummy",
-            "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", "16", "--context-length",
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path or MODELS[model]),
+            *(["--load-format", "dummy"] if dummy else []), "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", "16", "--context-length",
             str(context_length), "--mem-fraction-static", str(mem_fraction), "--tp-size", str(tp), "--port", str(port),
             "--random-seed", "0", "--log-level", "warning"]
     env = {}
@@ -124,8 +128,8 @@ def run_load(port: int, inputs, output_len: int, concurrency: int | None, progre
 
 
 def run_config(config: str, args, inputs, log_dir: Path, bar) -> dict:
-    vocab_ctx = args.input_len + args.output_len
-    context = max(vocab_ctx + 64, 4096)
+    max_pos = json.loads((MODELS[args.model] / "config.json").read_text())["max_position_embeddings"]
+    context = min(max_pos, max(args.input_len + args.output_len + 64, 4096))
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=PORT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"}
@@ -200,25 +204,66 @@ def run_soak(args, log_dir: Path) -> dict:
     return row
 
 
+TP_MODEL_LAYERS, TP_MODEL_VOCAB = 4, 32000
+
+
+def write_tp_model(out: Path, seed: int = 0) -> Path:
+    """A Llama-3.1-8B-shaped model cut to 4 layers (32 query / 8 KV heads, head_dim 128: 16 / 4 per GPU at
+    TP=2) with seeded random weights saved to disk, so TP=1 and TP=2 load the same weights (SGLang's dummy
+    init fills each rank's shard from the same seed: different models)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = json.loads((MODELS["llama-3.1-8b"] / "config.json").read_text())
+    cfg.update(num_hidden_layers=TP_MODEL_LAYERS, vocab_size=TP_MODEL_VOCAB, torch_dtype="bfloat16",
+               tie_word_embeddings=False)
+    for k in ("bos_token_id", "eos_token_id"):
+        cfg[k] = 1 if k == "bos_token_id" else 2
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    return out
+
+
+def _prompt_logprobs(port: int, inputs, new_tokens: int) -> tuple[list, list]:
+    from benchmarks.e2e.server import http_json
+    res = http_json(f"http://127.0.0.1:{port}/generate", {
+        "input_ids": inputs, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True, "logprob_start_len": 0}, timeout=600)
+    lps = [[lp for lp, *_ in r["meta_info"]["input_token_logprobs"] if lp is not None] for r in res]
+    return lps, [r["output_ids"] for r in res]
+
+
 def run_tp_check(args, log_dir: Path) -> dict:
-    """bf16 recipe: TP=2 gives the same greedy tokens as TP=1 (dummy weights are seeded identically)."""
-    inputs = make_inputs(8, 2048, 30000, seed=2)
-    outs = {}
-    row = {"part": "tp", "model": args.model, "config": "mpfa-bf16", "group": f"tp/{args.model}"}
+    """TP=2 against TP=1 on one saved model (write_tp_model), for SGLang's flashinfer backend and mpfa bf16:
+    the prompt tokens' log-probabilities (a continuous output: no greedy near-ties) and the greedy tokens.
+    mpfa serves TP=2 correctly when its TP=2-vs-TP=1 drift is that of flashinfer."""
+    model_dir = write_tp_model(Path(args.tp_model_dir))
+    inputs = make_inputs(8, 1024, TP_MODEL_VOCAB, seed=2)
+    row = {"part": "tp", "model": "llama-3.1-8b-4layers-random", "config": "mpfa-bf16", "group": "tp/llama-4l"}
     t0 = time.perf_counter()
+    got = {}
     try:
-        for tp in (1, 2):
-            argv, env_extra = server_argv("mpfa-bf16", args.model, context_length=8192, mem_fraction=args.mem_fraction,
-                                          tp=tp, port=PORT)
-            env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1"}
-            with Server(argv, env, log_dir / f"tp{tp}-{args.model}.log", PORT):
-                res, _ = run_load(PORT, inputs, 32, None)
-                if any(r.error for r in res):
-                    raise RuntimeError(f"TP={tp}: {next(r.error for r in res if r.error)}")
-                outs[tp] = [r.output_ids for r in res]
-        same = sum(a == b for x, y in zip(outs[1], outs[2]) for a, b in zip(x, y))
-        total = sum(len(x) for x in outs[1])
-        row.update(status="ok", tp2_tp1_token_agreement=same / total, requests=len(inputs))
+        for config in ("flashinfer-bf16", "mpfa-bf16"):
+            for tp in (1, 2):
+                argv, env_extra = server_argv(config, args.model, context_length=4096, mem_fraction=0.5, tp=tp,
+                                              port=PORT, model_path=model_dir, dummy=False)
+                env = {**{k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"},
+                       **env_extra, "HF_HUB_OFFLINE": "1"}
+                with Server(argv, env, log_dir / f"tp{tp}-{config}.log", PORT):
+                    got[(config, tp)] = _prompt_logprobs(PORT, inputs, 16)
+
+        def drift(a, b):
+            d = [abs(x - y) for la, lb in zip(a[0], b[0]) for x, y in zip(la, lb)]
+            same = sum(x == y for oa, ob in zip(a[1], b[1]) for x, y in zip(oa, ob))
+            return max(d), sum(d) / len(d), same / sum(len(o) for o in a[1])
+        for config in ("flashinfer-bf16", "mpfa-bf16"):
+            mx, mean, agree = drift(got[(config, 1)], got[(config, 2)])
+            key = config.split("-")[0]
+            row.update({f"{key}_tp2_vs_tp1_max_logprob_diff": mx, f"{key}_tp2_vs_tp1_mean_logprob_diff": mean,
+                        f"{key}_tp2_vs_tp1_token_agreement": agree})
+        mx, mean, agree = drift(got[("flashinfer-bf16", 2)], got[("mpfa-bf16", 2)])
+        row.update(mpfa_vs_flashinfer_tp2_mean_logprob_diff=mean, mpfa_vs_flashinfer_tp2_token_agreement=agree,
+                   tp2_tp1_token_agreement=row["mpfa_tp2_vs_tp1_token_agreement"], status="ok")
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}")
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -250,6 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--soak", action="store_true", help="run the soak instead (mixed lengths, cancellations)")
     ap.add_argument("--soak-requests", type=int, default=200)
     ap.add_argument("--tp-check", action="store_true", help="run the TP=2 vs TP=1 check instead (2 GPUs)")
+    ap.add_argument("--tp-model-dir", default="/tmp/mpfa-tp-model", help="where --tp-check writes its saved model")
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR))
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -276,7 +322,11 @@ def main(argv=None) -> int:
             n = 0
         if n <= 0:
             ap.error(f"--requests must be a positive integer or 'auto', got {args.requests!r}")
-    vocab = json.loads((MODELS[args.model] / "config.json").read_text())["vocab_size"]
+    model_cfg = json.loads((MODELS[args.model] / "config.json").read_text())
+    vocab, max_pos = model_cfg["vocab_size"], model_cfg["max_position_embeddings"]
+    if args.input_len + args.output_len > max_pos:
+        ap.error(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds {args.model}'s "
+                 f"{max_pos} positions (for '128K' pass --input-len {max_pos - args.output_len})")
     inputs = make_inputs(n, args.input_len, vocab)
     print(f"{len(configs)} configurations x {n} requests of {args.input_len} + {args.output_len} tokens "
           f"({args.model}, TP {args.tp})", file=sys.stderr)
