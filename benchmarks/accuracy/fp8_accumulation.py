@@ -1,0 +1,78 @@
+"""How many bits does Hopper's FP8 tensor-core accumulation keep? (GPU study for the prefill's QK product.)
+
+    python -m benchmarks.accuracy.fp8_accumulation [--out benchmarks/results/studies/fp8_accumulation_h200.json]
+
+The prefill kernel's 3 failing GPU cases (one query row, a Q outlier channel, compensation off) are
+suspected to come from the FP8 MMA's accumulator: DeepSeek-V3's report puts it at ~14 bits on H800, and
+a dot product dominated by one large term then loses the small terms below that term's 2^-14. This probes
+it with ``torch._scaled_mm`` (cuBLASLt FP8 GEMM; ``use_fast_accum=True`` accumulates in the tensor core
+like the kernel's QGMMA chain, ``False`` promotes partial sums to FP32 every few k-steps): a row with one
+product ``2^r`` times larger than the ``k - 1`` others (all exact in E4M3), for k = 32, 64, 128 and
+r = 0 .. 28. The share of the small terms lost, as r grows, gives the accumulator's width.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "studies" / "fp8_accumulation_h200.json"
+
+
+def _split(e: int) -> tuple[float, float]:
+    """2^e as a product of two E4M3 normals (exponents -6 .. 8 each)."""
+    ea = e // 2
+    a, b = 2.0 ** ea, 2.0 ** (e - ea)
+    assert 2.0 ** -6 <= min(a, b) and max(a, b) <= 256, f"2^{e} does not split into two E4M3 normals"
+    return a, b
+
+
+def probe(k: int, ratio_log2: int, fast: bool, small_sign: int = 1) -> float:
+    """Fraction of the k - 1 small products lost when one product is 2^ratio_log2 times larger
+    (0: all kept; 1: all dropped). Big product 2^min(16, ratio), small ones 2^(big - ratio)."""
+    import torch
+    e4m3 = torch.float8_e4m3fn
+    big = min(16, ratio_log2)
+    small = big - ratio_log2
+    (ba, bb), (sa, sb) = _split(big), _split(small)
+    a = torch.full((16, k), sa, dtype=torch.float32, device="cuda")
+    b = torch.full((k, 16), sb * small_sign, dtype=torch.float32, device="cuda")
+    a[:, 0], b[0, :] = ba, bb
+    one = torch.ones((), device="cuda")
+    out = torch._scaled_mm(a.to(e4m3), b.t().contiguous().t().to(e4m3), scale_a=one, scale_b=one,
+                           out_dtype=torch.float32, use_fast_accum=fast)
+    small_sum = small_sign * (k - 1) * 2.0 ** small
+    return float((2.0 ** big + small_sum - out[0, 0].double()) / small_sum)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.fp8_accumulation", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU with FP8 tensor cores (sm_89+)", file=sys.stderr)
+        return 2
+    rows = []
+    for fast in (True, False):
+        for k in (32, 64, 128):
+            for ratio in range(0, 29):
+                for sign in (1, -1):
+                    rows.append({"use_fast_accum": fast, "k": k, "ratio_log2": ratio, "small_sign": sign,
+                                 "lost_fraction": probe(k, ratio, fast, sign)})
+    for fast in (True, False):
+        print(f"use_fast_accum={fast}: share of the small terms lost (k=128, positive) by log2(big / small)")
+        print("  " + " ".join(f"{r['ratio_log2']:>2d}:{r['lost_fraction']:.2f}" for r in rows
+                              if r["use_fast_accum"] == fast and r["k"] == 128 and r["small_sign"] == 1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python -m benchmarks.accuracy.fp8_accumulation", "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
