@@ -182,6 +182,9 @@ def _configs(part: str, smollm2: Path, mem_fraction: float, graphs_off: bool = T
         kw = dict(mem_fraction=0.3, context_length=8192, dummy=False)
         out.append(dict(config="flashinfer-bf16", backend="flashinfer", recipe=None, graphs=True,
                         engine=_engine_args(smollm2, "flashinfer", graphs=True, **kw)))
+        if graphs_off:   # the control: graphs also change the other layers' GEMM shapes (padded batch)
+            out.append(dict(config="flashinfer-bf16-graphs-off", backend="flashinfer", recipe=None, graphs=False,
+                            engine=_engine_args(smollm2, "flashinfer", graphs=False, **kw)))
         for recipe in recipes:
             for graphs in ((True, False) if graphs_off else (True,)):
                 out.append(dict(config=f"mpfa-{recipe}-graphs-{'on' if graphs else 'off'}", backend="mpfa",
@@ -309,7 +312,9 @@ def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
         ref = ok.get("flashinfer-bf16")
         if not ref:
             continue
+        ref_off = ok.get("flashinfer-bf16-graphs-off")
         d = {"reference_self_agreement": _agreement(ref["output_ids"], ref["output_ids_cached_pass"]),
+             "reference_graph_on_off_agreement": _agreement(ref["output_ids"], ref_off["output_ids"]) if ref_off else None,
              "greedy_agreement": {}, "greedy_agreement_graphs_off": {}, "cuda_graph_on_off_agreement": {},
              "radix_cache_pass_agreement": {}}
         for recipe in RECIPES:
@@ -333,7 +338,7 @@ def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
                     flat = [g for seq in gaps[name] for g in seq[:NEW_TOKENS]]
                     d["teacher_forced_agreement"][recipe] = sum(g == 0 for g in flat) / len(flat)
                     d["tie_aware_agreement"][recipe] = sum(g <= noise for g in flat) / len(flat)
-        out[pset] = {k: v for k, v in d.items() if v != {}}
+        out[pset] = {k: v for k, v in d.items() if v != {} and v is not None}
     return out
 
 
