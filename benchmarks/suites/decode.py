@@ -94,7 +94,7 @@ def _mpfa(case, ctx, gen):
     splits = {}
     if case["impl"] == "mpfa-graph":
         from mpfa.decode import fixed_split_policy
-        size, n = fixed_split_policy(KV_HEADS, SERVER_CONTEXT, torch.cuda.get_device_properties(0).multi_processor_count)
+        size, n = fixed_split_policy(KV_HEADS, SERVER_CONTEXT, torch.cuda.get_device_properties(0).multi_processor_count, b)
         splits = dict(num_splits=n, fixed_split_size=size)
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
     q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)

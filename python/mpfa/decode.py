@@ -62,13 +62,21 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_s
     return -(-tiles // per_split)   # the kernel's split count that leaves no split empty
 
 
-def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int) -> tuple[int, int]:
-    """``(fixed_split_size, num_splits)`` for batch-invariant decode (a server's CUDA-graph and eager
-    paths): every request is cut like a lone request of ``max_kv_len`` tokens would be by
-    ``choose_num_splits``, so a long request still fills the GPU and short ones are not over-split.
-    ``num_splits`` covers ``max_kv_len``."""
+def split_bucket(batch_size: int) -> int:
+    """The batch size ``fixed_split_policy`` plans for: the next power of two. SGLang captures a decode
+    graph for every power of two up to its largest graph batch, so a batch and the padded batch its
+    graph replays fall in the same bucket."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
+
+
+def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int, batch_size: int = 1) -> tuple[int, int]:
+    """``(fixed_split_size, num_splits)`` for a server's decode: the split count ``choose_num_splits`` gives
+    a batch of ``split_bucket(batch_size)`` requests of ``max_kv_len`` tokens, turned into a split size.
+    Eager and CUDA-graph decode of a batch use the same size (same bucket), so each request is cut the same
+    way in both and its output is bit-identical; the graph's grid (``num_splits`` covers ``max_kv_len``) is
+    the adaptive plan's, with no more empty CTAs than before."""
     tiles = max(1, -(-max_kv_len // TILE))
-    per = -(-tiles // choose_num_splits(1, num_kv_heads, max_kv_len, num_sms))
+    per = -(-tiles // choose_num_splits(split_bucket(batch_size), num_kv_heads, max_kv_len, num_sms))
     return per * TILE, -(-tiles // per)
 
 

@@ -9,7 +9,7 @@ import torch
 
 import mpfa_jit
 from mpfa.decode import (MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, fixed_split_policy,
-                          workspace_bytes)
+                          split_bucket, workspace_bytes)
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import decode as decode_op
 from mpfa_jit.render import render
@@ -92,15 +92,25 @@ def test_plan_validates_on_cpu_reference():
             w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", fixed_split_size=bad)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 20, 32, 256])
 @pytest.mark.parametrize("heads,length", [(3, 8192), (8, 131072), (8, 32768), (1, 131072), (8, 100), (40, 40000)])
-def test_fixed_split_policy(heads, length):
-    size, splits = fixed_split_policy(heads, length, 132)
+def test_fixed_split_policy(heads, length, batch):
+    size, splits = fixed_split_policy(heads, length, 132, batch)
     assert size % TILE == 0 and size >= TILE
     assert (splits - 1) * size < length <= splits * size          # the grid covers the context, no empty tail
-    lone = choose_num_splits(1, heads, length, 132)
-    assert splits <= lone                                          # a lone max-length request gets its split count
-    if length >= MIN_TOKENS_PER_SPLIT * lone:
-        assert size >= MIN_TOKENS_PER_SPLIT
+    adaptive = choose_num_splits(split_bucket(batch), heads, length, 132)
+    assert splits <= adaptive                                       # the adaptive plan's grid at most
+    assert fixed_split_policy(heads, length, 132, split_bucket(batch)) == (size, splits)
+
+
+def test_split_bucket_matches_sglang_graph_padding():
+    # SGLang pads a decode batch to the next captured size; its capture list holds every power of two up
+    # to the largest (1, 2, 4, 8, 12, 16, 24, 32, ...): the padded batch falls in the same bucket.
+    captured = [1, 2, 4, 8, 12, 16, 24, 32] + list(range(40, 257, 8))
+    for bs in range(1, 257):
+        padded = min(c for c in captured if c >= bs)
+        assert split_bucket(padded) == split_bucket(bs), (bs, padded)
+    assert [split_bucket(b) for b in (1, 2, 3, 5, 33)] == [1, 2, 4, 8, 64]
 
 
 @pytest.mark.nvcc

@@ -12,8 +12,9 @@ replay: it rebuilds the page table with fixed-shape GPU ops and refreshes that b
 wrapper, which copies the new table into the buffers the captured kernels read.
 ``init_forward_metadata_in_graph`` is a no-op.
 
-Decode splits are batch-invariant (``mpfa.decode.fixed_split_policy``): eager and graph decode cut each
-request into the same fixed-size KV splits, so a server gives the same tokens with graphs on and off.
+Decode splits come from ``mpfa.decode.fixed_split_policy``: eager decode and the CUDA graph a batch
+replays cut each request into the same fixed-size KV splits (same batch-size bucket), so a server gives
+the same attention outputs with graphs on and off.
 """
 from __future__ import annotations
 
@@ -86,8 +87,7 @@ class MpfaAttnBackend(AttentionBackend):
         self.max_context_len = mc.context_len
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         kb = self.settings.kernel_backend
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.split_size, self.graph_splits = fixed_split_policy(self.num_kv_heads, self.max_context_len, sms)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWrapper(self.workspace, backend=kb)
         self.decode_wrapper = BatchDecodeWrapper(self.workspace, backend=kb)
@@ -122,10 +122,11 @@ class MpfaAttnBackend(AttentionBackend):
             raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} does not support speculative decoding")
         indptr, indices, last = self._page_table(forward_batch)
         if mode.is_decode():
-            self._fit_decode_workspace(forward_batch)
+            split_size, _ = self._split_policy(forward_batch.batch_size)
+            self._fit_decode_workspace(forward_batch, split_size)
             self.decode_wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                      self.page_size, sm_scale=self.sm_scale, recipe=self.recipe,
-                                     fixed_split_size=self.split_size)
+                                     fixed_split_size=split_size)
             self._active = self.decode_wrapper
         else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
             bs = forward_batch.batch_size
@@ -139,12 +140,15 @@ class MpfaAttnBackend(AttentionBackend):
                                       compensation=self.settings.compensation)
             self._active = self.prefill_wrapper
 
-    def _fit_decode_workspace(self, forward_batch):
+    def _split_policy(self, batch_size: int) -> tuple[int, int]:
+        return fixed_split_policy(self.num_kv_heads, self.max_context_len, self.num_sms, batch_size)
+
+    def _fit_decode_workspace(self, forward_batch, split_size: int):
         """Eager decode's split partials (fp32 O and LSE per split, request and query head): grow the eager
         decode wrapper's buffer for a large batch. Graph wrappers keep their own (init_cuda_graph_state)."""
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         longest = int(lens.max()) if lens is not None and len(lens) else self.max_context_len
-        splits = max(1, -(-longest // self.split_size))
+        splits = max(1, -(-longest // split_size))
         need = decode_workspace_bytes(splits, forward_batch.batch_size, self.num_qo_heads, self.head_dim)
         if need > self.decode_wrapper.workspace_buffer.numel():
             size = max(need, 2 * self.decode_wrapper.workspace_buffer.numel())
@@ -171,7 +175,8 @@ class MpfaAttnBackend(AttentionBackend):
     # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         cap = page_table_capacity(max_bs, self.max_pages_per_req, self.cache.num_pages)
-        ws = max(1, decode_workspace_bytes(self.graph_splits, max_bs, self.num_qo_heads, self.head_dim))
+        ws = max(1, max(decode_workspace_bytes(self._split_policy(bs)[1], bs, self.num_qo_heads, self.head_dim)
+                        for bs in range(1, max_bs + 1)))
         self._graph = dict(
             workspace=torch.empty(ws, dtype=torch.uint8, device=self.device),
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
@@ -199,9 +204,10 @@ class MpfaAttnBackend(AttentionBackend):
             # Planned once per batch size with the full-size index table and the grid that covers the
             # context length; replays only refresh the table. Graphs of different sizes share the split
             # workspace: one replays at a time.
+            split_size, splits = self._split_policy(bs)
             wrapper.plan(indptr, g["indices"], last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                         self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=self.graph_splits,
-                         fixed_split_size=self.split_size)
+                         self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits,
+                         fixed_split_size=split_size)
             self._graph_decode[bs] = wrapper
         else:
             wrapper.update_page_table(indptr, g["indices"], last)   # no host synchronization per step
