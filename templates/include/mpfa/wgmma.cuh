@@ -37,6 +37,13 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t smem_addr) {
          (uint64_t(W == 128 ? 1 : 2) << 62);
 }
 
+// The descriptor of a tile `byte_offset` bytes past the one `desc` describes: the start-address field
+// is the low 14 bits and every shared address is below 2^18, so adding offset >> 4 never carries into
+// the other fields. One add per MMA instead of rebuilding the descriptor (mask, shift, or, move).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t byte_offset) {
+  return desc + (byte_offset >> 4);
+}
+
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
