@@ -136,6 +136,7 @@ def run_config(config: str, args, inputs, log_dir: Path, bar) -> dict:
     env.update(env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
            "output_len": args.output_len, "tp": args.tp, "concurrency": args.concurrency or len(inputs),
+           "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
            "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}"}
     t0 = time.perf_counter()
     try:
@@ -287,7 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--input-len", type=int, default=32768)
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
-    ap.add_argument("--requests", default="auto", help="number of requests, or 'auto' (fill the largest pool twice)")
+    ap.add_argument("--requests", default="auto", help="number of requests, or 'auto' (fill the largest pool --fills times)")
+    ap.add_argument("--fills", type=float, default=2.0, help="pool fills for --requests auto (default 2, the issue's)")
     ap.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default all)")
     ap.add_argument("--no-ttft-probe", dest="ttft_probe", action="store_false")
     ap.add_argument("--tp", type=int, default=1)
@@ -314,7 +316,10 @@ def main(argv=None) -> int:
     path = out_dir / f"{sglang_check.RESULT}.json"
     existing = results_io.read(path)["rows"] if path.exists() else []
     if args.requests == "auto":
-        n = requests_to_fill(estimated_pool_tokens(existing, args.model, configs), configs, args.input_len, args.output_len)
+        if args.fills <= 0:
+            ap.error(f"--fills must be positive, got {args.fills}")
+        n = requests_to_fill(estimated_pool_tokens(existing, args.model, configs), configs, args.input_len,
+                             args.output_len, args.fills)
     else:
         try:
             n = int(args.requests)
