@@ -127,7 +127,7 @@ def run_load(port: int, inputs, output_len: int, concurrency: int | None, progre
     return results, time.perf_counter() - t0
 
 
-def run_config(config: str, args, inputs, log_dir: Path, bar) -> dict:
+def run_config(config: str, args, inputs, probe_input, log_dir: Path, bar) -> dict:
     max_pos = json.loads((MODELS[args.model] / "config.json").read_text())["max_position_embeddings"]
     context = min(max_pos, max(args.input_len + args.output_len + 64, 4096))
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
@@ -146,8 +146,8 @@ def run_config(config: str, args, inputs, log_dir: Path, bar) -> dict:
             bar.set_description(f"{config} {args.input_len // 1024}K: {len(inputs)} requests")
             results, wall = run_load(PORT, inputs, args.output_len, args.concurrency)
             row.update(summarize_run(results, wall, args.input_len))
-            if args.ttft_probe:
-                probe, _ = run_load(PORT, inputs[:1], min(args.output_len, 16), 1)
+            if args.ttft_probe:   # a request none of the others shares a prefix with: no radix-cache hit
+                probe, _ = run_load(PORT, [probe_input], min(args.output_len, 16), 1)
                 row["ttft_concurrency1_s"] = probe[0].ttft
             row["server_alive"] = srv.alive()
         row["status"] = "ok" if row["errors"] == 0 else "error"
@@ -333,13 +333,14 @@ def main(argv=None) -> int:
         ap.error(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds {args.model}'s "
                  f"{max_pos} positions (for '128K' pass --input-len {max_pos - args.output_len})")
     inputs = make_inputs(n, args.input_len, vocab)
+    probe_input = make_inputs(1, args.input_len, vocab, seed=7)[0]
     print(f"{len(configs)} configurations x {n} requests of {args.input_len} + {args.output_len} tokens "
           f"({args.model}, TP {args.tp})", file=sys.stderr)
     from tqdm import tqdm
     rows = []
     with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
         for config in configs:
-            rows.append(run_config(config, args, inputs, log_dir, bar))
+            rows.append(run_config(config, args, inputs, probe_input, log_dir, bar))
             save(rows, out_dir, command.strip(), ["throughput"])
     for r in rows:
         print(f"{r['config']}: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT(c=1) "
