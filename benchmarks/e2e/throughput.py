@@ -311,6 +311,9 @@ def main(argv=None) -> int:
     if args.soak or args.tp_check:
         row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
         save([row], out_dir, command.strip(), [row["part"]])
+        if args.soak:   # the issue asks for the soak's summary log beside the results
+            (log_dir / f"soak-{args.model}-summary.txt").write_text(
+                f"{command.strip()}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
         print(json.dumps(row, indent=1))
         return 0 if row["status"] == "ok" else 1
     path = out_dir / f"{sglang_check.RESULT}.json"
