@@ -312,6 +312,7 @@ def main(argv=None) -> int:
         row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
         save([row], out_dir, command.strip(), [row["part"]])
         if args.soak:   # the issue asks for the soak's summary log beside the results
+            log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / f"soak-{args.model}-summary.txt").write_text(
                 f"{command.strip()}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
         print(json.dumps(row, indent=1))
