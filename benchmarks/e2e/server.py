@@ -20,6 +20,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def server_env(**extra: str) -> dict:
+    """The environment of a server this package starts: the caller's, without its MPFA_* settings (a
+    configuration sets its own, e.g. MPFA_RECIPE) but keeping MPFA_CACHE_DIR (the prebuilt kernels),
+    plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"}
+    env.update(extra)
+    return env
+
+
 def http_json(url: str, payload: dict | None = None, timeout: float = 120.0):
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})

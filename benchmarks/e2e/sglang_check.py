@@ -264,10 +264,10 @@ def run_engine_part(part: str, out_dir: Path, smollm2: Path, mem_fraction: float
 
 def run_launch_part(out_dir: Path, config: Path, bar, port: int = 30517, timeout: float = CHILD_TIMEOUT_S) -> list[dict]:
     """README's launch command, /generate with input_ids, then the server's max_total_num_tokens."""
-    from benchmarks.e2e.server import Server, http_json, server_info
+    from benchmarks.e2e.server import Server, http_json, server_env, server_info
     bar.set_description(f"launch: {config.name}")
     cmd = [sys.executable, "-m", "mpfa.sglang.launch", str(config), "--", "--port", str(port), "--log-level", "warning"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k in ("MPFA_CACHE_DIR",)}
+    env = server_env()
     row = {"part": "launch", "config": config.stem, "backend": "mpfa", "command": " ".join(cmd[1:])}
     t0 = time.perf_counter()
     try:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 from benchmarks import meta as bench_meta
 from benchmarks import results_io
 from benchmarks.e2e import sglang_check
-from benchmarks.e2e.server import Server, server_info, stream_generate
+from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
@@ -127,13 +126,10 @@ def run_load(port: int, inputs, output_len: int, concurrency: int | None, progre
     return results, time.perf_counter() - t0
 
 
-def run_config(config: str, args, inputs, probe_input, log_dir: Path, bar) -> dict:
-    max_pos = json.loads((MODELS[args.model] / "config.json").read_text())["max_position_embeddings"]
-    context = min(max_pos, max(args.input_len + args.output_len + 64, 4096))
+def run_config(config: str, args, inputs, probe_input, context: int, log_dir: Path, bar) -> dict:
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=PORT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"}
-    env.update(env_extra, HF_HUB_OFFLINE="1")
+    env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
            "output_len": args.output_len, "tp": args.tp, "concurrency": args.concurrency or len(inputs),
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
@@ -166,8 +162,7 @@ def run_soak(args, log_dir: Path) -> dict:
     lengths[0] = 100_000                                        # the 100K-token request
     argv, env_extra = server_argv("mpfa-qk4pv8", args.model, context_length=131072, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=PORT)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"},
-           **env_extra, "HF_HUB_OFFLINE": "1"}
+    env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "soak", "model": args.model, "config": "mpfa-qk4pv8", "requests": len(lengths),
            "group": f"soak/{args.model}"}
     t0 = time.perf_counter()
@@ -248,8 +243,7 @@ def run_tp_check(args, log_dir: Path) -> dict:
             for tp in (1, 2):
                 argv, env_extra = server_argv(config, args.model, context_length=4096, mem_fraction=0.5, tp=tp,
                                               port=PORT, model_path=model_dir, dummy=False)
-                env = {**{k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"},
-                       **env_extra, "HF_HUB_OFFLINE": "1"}
+                env = server_env(**env_extra, HF_HUB_OFFLINE="1")
                 with Server(argv, env, log_dir / f"tp{tp}-{config}.log", PORT):
                     got[(config, tp)] = _prompt_logprobs(PORT, inputs, 16)
 
@@ -336,6 +330,7 @@ def main(argv=None) -> int:
     if args.input_len + args.output_len > max_pos:
         ap.error(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds {args.model}'s "
                  f"{max_pos} positions (for '128K' pass --input-len {max_pos - args.output_len})")
+    context = min(max_pos, max(args.input_len + args.output_len + 64, 4096))
     inputs = make_inputs(n, args.input_len, vocab)
     probe_input = make_inputs(1, args.input_len, vocab, seed=7)[0]
     print(f"{len(configs)} configurations x {n} requests of {args.input_len} + {args.output_len} tokens "
@@ -344,7 +339,7 @@ def main(argv=None) -> int:
     rows = []
     with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
         for config in configs:
-            rows.append(run_config(config, args, inputs, probe_input, log_dir, bar))
+            rows.append(run_config(config, args, inputs, probe_input, context, log_dir, bar))
             save(rows, out_dir, command.strip(), ["throughput"])
     for r in rows:
         print(f"{r['config']}: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT(c=1) "
