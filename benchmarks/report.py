@@ -117,9 +117,15 @@ def summary_line(summary: dict) -> str:
     return "Summary: " + (" · ".join(items) if items else "—")
 
 
+def summarizer_for(name: str, meta: dict):
+    """The module whose summarize(rows) / TABLE describe results file ``name``: its suite, or the SGLang
+    check for e2e_sglang_h200; None for the other scripts' files."""
+    return suites.for_result(name, meta) or (sglang_check if name == sglang_check.RESULT else None)
+
+
 def render_result(name: str, result: dict, *, image_rel: str | None = None) -> str:
     """Markdown for one results file: heading, meta, ceilings, summary, table, plot."""
-    suite = suites.for_result(name, result["meta"]) or (sglang_check if name == sglang_check.RESULT else None)
+    suite = summarizer_for(name, result["meta"])
     rows = [r for r in result["rows"] if r.get("kind") != "ceiling"]
     lines = [f"### {name}", "", meta_line(result["meta"]), ""]
     ceil = ceilings_line(result["rows"])
@@ -168,9 +174,7 @@ def suite_results(results_dir: Path | str):
     """(path, result, module with summarize) for every results file a suite or the SGLang check wrote."""
     for path in results_io.list_results(results_dir):
         result = results_io.read(path)
-        suite = suites.for_result(path.stem, result["meta"])
-        if suite is None and path.stem == sglang_check.RESULT:
-            suite = sglang_check
+        suite = summarizer_for(path.stem, result["meta"])
         if suite is not None:
             yield path, result, suite
 
