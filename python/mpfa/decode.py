@@ -68,6 +68,11 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_s
     return -(-tiles // per_split)   # the kernel's split count that leaves no split empty
 
 
+def fixed_num_splits(max_kv_len: int, fixed_split_size: int) -> int:
+    """Splits of ``fixed_split_size`` tokens the longest request of ``max_kv_len`` tokens needs (at least 1)."""
+    return max(1, -(-max_kv_len // fixed_split_size))
+
+
 def split_bucket(batch_size: int) -> int:
     """The batch size ``fixed_split_policy`` plans for: the next power of two. SGLang captures a decode
     graph for every power of two up to its largest graph batch, so a batch and the padded batch its
@@ -149,8 +154,8 @@ class BatchDecodeWrapper:
             tiles_per_split = 0 if fixed_split_size is None else fixed_split_size // TILE
             if num_splits is None:
                 max_len = max(paged.kv_lengths)
-                num_splits = (choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index)) if not tiles_per_split
-                              else max(1, -(-max_len // fixed_split_size)))
+                num_splits = (fixed_num_splits(max_len, fixed_split_size) if tiles_per_split
+                              else choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index)))
             need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
                             f"head_dim {head_dim}, {num_splits} KV splits")
@@ -173,7 +178,8 @@ class BatchDecodeWrapper:
                 lse_part = ws[num_splits * rows * head_dim * 4: need].view(torch.float32)
             else:
                 o_part = lse_part = None
-            plan.update(num_splits=num_splits, tiles_per_split=tiles_per_split, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
+            plan.update(num_splits=num_splits, tiles_per_split=tiles_per_split, fn=fn, device_index=dev_index,
+                        o_part=o_part, lse_part=lse_part)
         self._plan = plan
 
     def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) -> None:
@@ -236,7 +242,7 @@ class BatchDecodeWrapper:
         p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),
                 buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(), q.shape[0], p["num_kv_heads"],
-                p["num_splits"], p["tiles_per_split"], p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]), out.data_ptr(),
-                out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
+                p["num_splits"], p["tiles_per_split"], p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]),
+                out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
                 torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

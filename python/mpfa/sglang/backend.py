@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ..decode import BatchDecodeWrapper, fixed_split_policy, workspace_bytes as decode_workspace_bytes
+from ..decode import BatchDecodeWrapper, fixed_num_splits, fixed_split_policy, workspace_bytes as decode_workspace_bytes
 from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_bytes
 from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
 from .page_table import build_page_table, page_table_capacity
@@ -143,18 +143,22 @@ class MpfaAttnBackend(AttentionBackend):
     def _split_policy(self, batch_size: int) -> tuple[int, int]:
         return fixed_split_policy(self.num_kv_heads, self.max_context_len, self.num_sms, batch_size)
 
+    def _grow_workspace(self, wrapper, need: int, why: str):
+        """Give ``wrapper`` a workspace of at least ``need`` bytes (doubling), logged with ``why``. Only the
+        eager wrappers grow: graph-captured kernels keep the buffers they were captured with."""
+        if need > wrapper.workspace_buffer.numel():
+            size = max(need, 2 * wrapper.workspace_buffer.numel())
+            logger.info("mpfa backend: %s workspace grows to %.0f MiB", why, size / 2**20)
+            wrapper.workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+
     def _fit_decode_workspace(self, forward_batch, split_size: int):
-        """Eager decode's split partials (fp32 O and LSE per split, request and query head): grow the eager
-        decode wrapper's buffer for a large batch. Graph wrappers keep their own (init_cuda_graph_state)."""
+        """Eager decode's split partials (fp32 O and LSE per split, request and query head) for this batch.
+        Graph wrappers keep their own (init_cuda_graph_state)."""
         lens = getattr(forward_batch, "seq_lens_cpu", None)
         longest = int(lens.max()) if lens is not None and len(lens) else self.max_context_len
-        splits = max(1, -(-longest // split_size))
-        need = decode_workspace_bytes(splits, forward_batch.batch_size, self.num_qo_heads, self.head_dim)
-        if need > self.decode_wrapper.workspace_buffer.numel():
-            size = max(need, 2 * self.decode_wrapper.workspace_buffer.numel())
-            logger.info("mpfa backend: decode workspace grows to %.0f MiB (batch %d)", size / 2**20,
-                        forward_batch.batch_size)
-            self.decode_wrapper.workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        need = decode_workspace_bytes(fixed_num_splits(longest, split_size), forward_batch.batch_size,
+                                      self.num_qo_heads, self.head_dim)
+        self._grow_workspace(self.decode_wrapper, need, f"decode (batch {forward_batch.batch_size})")
 
     def _fit_prefill_workspace(self, forward_batch, max_extend_len: int):
         """The extend kernel's workspace holds MMA-ready images of every key of the batch (about 2 bytes
@@ -166,11 +170,7 @@ class MpfaAttnBackend(AttentionBackend):
         lens = [int(x) for x in lens]
         need = prefill_workspace_bytes(len(lens), self.num_qo_heads, self.num_kv_heads, self.head_dim, lens,
                                        self.recipe, self.settings.compensation, max_extend_len)
-        if need > self.prefill_wrapper.workspace_buffer.numel():
-            size = max(need, 2 * self.prefill_wrapper.workspace_buffer.numel())
-            logger.info("mpfa backend: extend workspace grows to %.0f MiB (%d keys in the batch)", size / 2**20,
-                        sum(lens))
-            self.prefill_wrapper.workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._grow_workspace(self.prefill_wrapper, need, f"extend ({sum(lens)} keys in the batch)")
 
     # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
