@@ -79,8 +79,11 @@ def workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_
     """Workspace the kernel path needs (see workspace_layout): about 2 bytes per K/V element of the
     batch's keys for the FP8 recipes (4 for bf16), plus 4 bytes per key and query head with
     compensation."""
-    layout = workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe, compensation,
-                              max_qo_len)
+    return _layout_bytes(workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe,
+                                          compensation, max_qo_len))
+
+
+def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
     return _align(max((o + n for o, n in layout.values()), default=0))
 
 
@@ -159,8 +162,7 @@ class BatchPrefillWrapper:
         max_qo = max(qo_lens, default=0)
         layout = workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
                                   max_qo)
-        need = workspace_bytes(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
-                               max_qo)
+        need = _layout_bytes(layout)
         check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query / {num_kv_heads} "
                         f"KV heads, head_dim {head_dim}, {sum(kv_lengths)} KV tokens, recipe {recipe_.name}"
                         + (", compensation" if compensate else ""))
