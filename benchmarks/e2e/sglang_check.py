@@ -422,10 +422,18 @@ def merge_rows(previous: list[dict], new: list[dict]) -> list[dict]:
     return sorted(kept + new, key=lambda r: ALL_PARTS.index(r["part"]))
 
 
-def _read_existing(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return results_io.read(path)["rows"]
+def read_result(out_dir: Path) -> dict:
+    """The results file in ``out_dir`` (meta and rows), or an empty one."""
+    path = Path(out_dir) / f"{RESULT}.json"
+    return results_io.read(path) if path.exists() else {"meta": {}, "summary": {}, "rows": []}
+
+
+def write_rows(previous_rows: list[dict], new_rows: list[dict], out_dir: Path, meta: dict) -> list[dict]:
+    """Merge ``new_rows`` into the rows the file had when the run started, write it with the summary of
+    the result, return the rows. Called after every configuration: a killed run keeps what finished."""
+    rows = merge_rows(previous_rows, new_rows)
+    results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -461,16 +469,10 @@ def main(argv=None) -> int:
         ap.error(f"--recipes: choose from {', '.join(RECIPES)}, got {args.recipes!r}")
     n = sum(len(_configs(p, smollm2, mem_fraction, graphs_off, recipes)) + (p == "agreement") if p != "launch" else 1
             for p in parts)
-    path = out_dir / f"{RESULT}.json"
-    previous = _read_existing(path)
+    previous = read_result(out_dir)["rows"]
     command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = bench_meta.collect(command.strip(), parts=parts)
     new: list[dict] = []
-
-    def save():
-        rows = merge_rows(previous, new)
-        results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
-        return rows
 
     with tqdm(total=n, unit="server", file=sys.stderr) as bar:
         for part in parts:
@@ -478,7 +480,7 @@ def main(argv=None) -> int:
                      run_engine_part(part, out_dir, smollm2, mem_fraction, bar, args.prompt_set, graphs_off, recipes))
             for row in found:
                 new.append(row)
-                rows = save()
+                rows = write_rows(previous, new, out_dir, meta)
     for r in rows:
         if r.get("status") != "ok":
             print(f"{r['part']} {r['config']}: {r.get('error')}", file=sys.stderr)

@@ -113,16 +113,11 @@ def summarize_run(results, wall_s: float, input_len: int) -> dict:
     }
 
 
-def run_load(port: int, inputs, output_len: int, concurrency: int | None, progress=None):
+def run_load(port: int, inputs, output_len: int, concurrency: int | None):
     sp = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency or len(inputs)) as pool:
-        futures = [pool.submit(stream_generate, port, ids, sp) for ids in inputs]
-        results = []
-        for f in futures:
-            results.append(f.result())
-            if progress:
-                progress()
+        results = list(pool.map(lambda ids: stream_generate(port, ids, sp), inputs))
     return results, time.perf_counter() - t0
 
 
@@ -265,15 +260,13 @@ def run_tp_check(args, log_dir: Path) -> dict:
     return row
 
 
-def save(new_rows: list[dict], out_dir: Path, command: str, parts) -> None:
-    path = out_dir / f"{sglang_check.RESULT}.json"
-    previous = results_io.read(path) if path.exists() else {"meta": {}, "rows": []}
-    rows = sglang_check.merge_rows(previous["rows"], new_rows)
+def run_meta(command: str, parts, previous_meta: dict) -> dict:
+    """This run's meta, listing the runs whose rows the file already holds (newest first, at most 20)."""
     meta = bench_meta.collect(command, parts=list(parts))
-    if previous["meta"]:
-        meta["earlier_runs"] = ([{k: previous["meta"].get(k) for k in ("command", "date", "commit")}]
-                                + previous["meta"].get("earlier_runs", []))[:20]
-    results_io.write(sglang_check.RESULT, meta, sglang_check.summarize(rows), rows, out_dir)
+    if previous_meta:
+        meta["earlier_runs"] = ([{k: previous_meta.get(k) for k in ("command", "date", "commit")}]
+                                + previous_meta.get("earlier_runs", []))[:20]
+    return meta
 
 
 def main(argv=None) -> int:
@@ -301,22 +294,21 @@ def main(argv=None) -> int:
         ap.error("--input-len and --output-len must be positive")
     out_dir = Path(args.out)
     log_dir = out_dir / "logs" / "e2e"
-    command = "python -m benchmarks.e2e.throughput " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = ("python -m benchmarks.e2e.throughput " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    previous = sglang_check.read_result(out_dir)   # read once: this run's rows replace their earlier versions
     if args.soak or args.tp_check:
         row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
-        save([row], out_dir, command.strip(), [row["part"]])
+        sglang_check.write_rows(previous["rows"], [row], out_dir, run_meta(command, [row["part"]], previous["meta"]))
         if args.soak:   # the issue asks for the soak's summary log beside the results
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / f"soak-{args.model}-summary.txt").write_text(
-                f"{command.strip()}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
+                f"{command}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
         print(json.dumps(row, indent=1))
         return 0 if row["status"] == "ok" else 1
-    path = out_dir / f"{sglang_check.RESULT}.json"
-    existing = results_io.read(path)["rows"] if path.exists() else []
     if args.requests == "auto":
         if args.fills <= 0:
             ap.error(f"--fills must be positive, got {args.fills}")
-        n = requests_to_fill(estimated_pool_tokens(existing, args.model, configs), configs, args.input_len,
+        n = requests_to_fill(estimated_pool_tokens(previous["rows"], args.model, configs), configs, args.input_len,
                              args.output_len, args.fills)
     else:
         try:
@@ -337,10 +329,11 @@ def main(argv=None) -> int:
           f"({args.model}, TP {args.tp})", file=sys.stderr)
     from tqdm import tqdm
     rows = []
+    meta = run_meta(command, ["throughput"], previous["meta"])
     with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
         for config in configs:
             rows.append(run_config(config, args, inputs, probe_input, context, log_dir, bar))
-            save(rows, out_dir, command.strip(), ["throughput"])
+            sglang_check.write_rows(previous["rows"], rows, out_dir, meta)
     for r in rows:
         print(f"{r['config']}: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT(c=1) "
                                     f"{r.get('ttft_concurrency1_s')}" if r["status"] == "ok" else r.get("error", "")))
