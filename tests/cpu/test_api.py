@@ -351,9 +351,7 @@ def test_prefill_reference_matches_oracle(recipe, d):
         ro, rlse = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
                                    q_tile=128, dtype=torch.float64)
         _assert_matches_oracle(o, ro)
-        # The denominator sums the rounded P: float32 and float64 may round a term near a bf16 / e4m3
-        # boundary differently (one bf16 step is 2^-9 of that term).
-        assert torch.allclose(lse.double(), rlse, rtol=1e-5, atol=1e-3)
+        assert torch.allclose(lse.double(), rlse, rtol=1e-5, atol=1e-4)
         # And close to exact attention on the original, unquantized K/V of each request.
         qo = qo_indptr.tolist()
         for b in range(len(REQUESTS)):

@@ -47,11 +47,8 @@ def _softmax_pv(s, v, p_quant, mask):
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
     pq = p_quant(p)
-    # The denominator sums the P the PV product uses (the prefill kernel sums it with the tensor cores),
-    # so the output is an exact weighted mean of V rows: rounding P then moves it by sum P e (v - o)
-    # rather than sum P e v, which matters for V channels with a large mean.
-    l = pq.sum(dim=-1, keepdim=True)
     o = torch.einsum("hqk,khd->qhd", pq, v) / l.squeeze(-1).transpose(0, 1).unsqueeze(-1).clamp_min(1e-300)
     o = torch.where(l.squeeze(-1).transpose(0, 1).unsqueeze(-1) > 0, o, torch.zeros_like(o))
     lse = (m + torch.log(l)).squeeze(-1).transpose(0, 1)
@@ -99,8 +96,7 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
     Quantized recipes: Q - mu_Q (mu_Q the mean of this request's rows per head, when
     ``compensation``) is quantized to FP8 with one scale per ``q_tile`` rows and head; the scores
     get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * 448) / 448``. The bf16
-    recipe rounds P to bf16 before the PV product, as its kernel does. The softmax denominator is the
-    sum of the rounded P (the prefill kernel's row-sum MMA).
+    recipe rounds P to bf16 before the PV product, as its kernel does.
     """
     recipe = get_recipe(recipe)
     heads, d = q.shape[1], q.shape[2]
