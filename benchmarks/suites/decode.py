@@ -13,7 +13,7 @@ NAME = "decode"
 RESULT = "decode_h200"
 
 QO_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-SERVER_CONTEXT = 131072   # the SGLang backend's graph grid covers this context (fixed_split_policy)
+SERVER_CONTEXT = 131072   # the SGLang backend's graph grid covers this context (server_decode_splits)
 SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (batch, context)
 PAGE_SIZES = (16, 1)
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
@@ -51,7 +51,7 @@ def cases(quick: bool = False) -> list[dict]:
     for b, ctx in shapes:
         for p in pages:
             out += [_case("mpfa", r, b, ctx, p) for r in RECIPES]
-            if p == 16:   # the SGLang backend's batch-invariant CUDA-graph grid (128K-context server)
+            if p == 16:   # the SGLang backend's decode splits (eager = graph replay; 128K-context server)
                 out.append(_case("mpfa-graph", "qk4pv8", b, ctx, p))
             out += [_case("flashinfer", kv, b, ctx, p) for kv in ("fi-bf16", "fi-fp8", "fi-nvfp4")]
     return out
@@ -93,8 +93,9 @@ def _mpfa(case, ctx, gen):
     w = mpfa.BatchDecodeWrapper(ws)
     splits = {}
     if case["impl"] == "mpfa-graph":
-        from mpfa.decode import fixed_split_policy
-        size, n = fixed_split_policy(KV_HEADS, SERVER_CONTEXT, torch.cuda.get_device_properties(0).multi_processor_count, b)
+        from mpfa.decode import server_decode_splits
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        size, n = server_decode_splits(KV_HEADS, b, c, SERVER_CONTEXT, sms)
         splits = dict(num_splits=n, fixed_split_size=size)
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
     q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
@@ -227,7 +228,8 @@ def summarize(rows: list[dict]) -> dict:
         "time_ratio_vs_flashinfer_bf16": ratio("fi-bf16"),
         "time_ratio_vs_flashinfer_fp8": ratio("fi-fp8"),
         "speedup_vs_flashinfer_nvfp4": fi_nvfp4["ms"] / mine["ms"] if mine and fi_nvfp4 else None,
-        # SGLang's graph decode (fixed split size, grid for a 128K context) over the adaptive plan, per shape
+        # SGLang's decode (server_decode_splits: grid for a 128K context, split size from the batch) over
+        # the adaptive plan, per shape
         "graph_fixed_split_time_ratio": graph,
         "max_spread": max_spread(rows),
         "errors": sum(1 for r in rows if r.get("status") == "error"),

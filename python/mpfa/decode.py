@@ -91,6 +91,29 @@ def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int, batch_s
     return per * TILE, -(-tiles // per)
 
 
+def server_decode_splits(num_kv_heads: int, batch_size: int, longest: int, max_context_len: int,
+                         num_sms: int) -> tuple[int, int]:
+    """``(fixed_split_size, num_splits)`` for a server's decode step, eager or CUDA-graph replay: the split
+    size ``fixed_split_policy`` gives this batch's ``longest`` request, the grid it gives the longest
+    context the server admits (what a graph captured once must cover). Both depend on the batch only
+    through its size bucket and its longest request, so the eager run and the graph replay of a batch
+    cut every request the same way (bit-identical outputs), and a short batch is cut as finely as the
+    adaptive plan would cut it, not as a 128K-context batch (that was 1.9x slower at 32 x 32K)."""
+    longest = max(1, int(longest))
+    size, _ = fixed_split_policy(num_kv_heads, longest, num_sms, batch_size)
+    _, grid = fixed_split_policy(num_kv_heads, max_context_len, num_sms, batch_size)
+    # The grid's ceil-division can leave it a split or two short of the adaptive count for a shorter
+    # batch: grow the size so the grid always covers the longest request (no remainder-laden last split).
+    return max(size, -(-longest // (grid * TILE)) * TILE), grid
+
+
+def _check_split_size(fixed_split_size) -> None:
+    if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool)
+                                         or fixed_split_size <= 0 or fixed_split_size % TILE):
+        raise ValueError(f"fixed_split_size must be None or a positive multiple of {TILE} tokens, "
+                         f"got {fixed_split_size!r}")
+
+
 def workspace_bytes(num_splits: int, batch_size: int, num_qo_heads: int, head_dim: int) -> int:
     """Bytes of workspace the kernel path needs: fp32 partial O and LSE per split (none unsplit)."""
     if num_splits <= 1:
@@ -132,10 +155,7 @@ class BatchDecodeWrapper:
         if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
                                        or not 1 <= num_splits <= 65535):
             raise ValueError(f"num_splits must be None (adaptive) or an int in [1, 65535], got {num_splits!r}")
-        if fixed_split_size is not None and (not isinstance(fixed_split_size, int) or isinstance(fixed_split_size, bool)
-                                             or fixed_split_size <= 0 or fixed_split_size % TILE):
-            raise ValueError(f"fixed_split_size must be None or a positive multiple of {TILE} tokens, "
-                             f"got {fixed_split_size!r}")
+        _check_split_size(fixed_split_size)
         self.backend = resolve(self.requested_backend, paged_kv_indices.device)
         sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         plan = dict(paged=paged, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -166,8 +186,10 @@ class BatchDecodeWrapper:
                     or buf["indices"].device != device):
                 buf = dict(batch=batch, indptr=torch.empty(batch + 1, dtype=torch.int32, device=device),
                            indices=torch.zeros(max(1, n_idx), dtype=torch.int32, device=device),
-                           last_page_len=torch.empty(batch, dtype=torch.int32, device=device))
+                           last_page_len=torch.empty(batch, dtype=torch.int32, device=device),
+                           tiles_per_split=torch.zeros(1, dtype=torch.int32, device=device))
                 self._buffers = buf
+            buf["tiles_per_split"].fill_(tiles_per_split)
             buf["indptr"].copy_(paged_kv_indptr, non_blocking=True)
             buf["indices"][:n_idx].copy_(paged_kv_indices, non_blocking=True)
             buf["last_page_len"].copy_(paged_kv_last_page_len, non_blocking=True)
@@ -178,20 +200,25 @@ class BatchDecodeWrapper:
                 lse_part = ws[num_splits * rows * head_dim * 4: need].view(torch.float32)
             else:
                 o_part = lse_part = None
-            plan.update(num_splits=num_splits, tiles_per_split=tiles_per_split, fn=fn, device_index=dev_index,
+            plan.update(num_splits=num_splits, fn=fn, device_index=dev_index,
                         o_part=o_part, lse_part=lse_part)
         self._plan = plan
 
-    def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len) -> None:
+    def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
+                          fixed_split_size: int | None = None) -> None:
         """Refresh the planned batch's page table without synchronizing the host (CUDA-graph decode).
 
         Same batch size as the last ``plan``; the tables are device tensors (e.g. built on the GPU from a
         server's slot table) and are copied into the buffers the kernel reads, on the current stream.
         Only their shapes are checked: the values are trusted, as validating them would read them back.
-        On the reference backend this plans again (the reference reads host-validated tables).
+        ``fixed_split_size`` (a multiple of 64) changes the split size the kernel reads from device memory,
+        so a captured graph (its grid stays ``num_splits``) cuts this batch as a plan for its lengths would;
+        None keeps the current one. On the reference backend this plans again (the reference reads
+        host-validated tables).
         """
         if self._plan is None:
             raise RuntimeError("BatchDecodeWrapper.update_page_table called before plan")
+        _check_split_size(fixed_split_size)
         p = self._plan
         if self.backend != "cuda":
             self.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, p["num_qo_heads"], p["num_kv_heads"],
@@ -210,6 +237,8 @@ class BatchDecodeWrapper:
         buf["indptr"].copy_(paged_kv_indptr, non_blocking=True)
         buf["indices"][: paged_kv_indices.numel()].copy_(paged_kv_indices, non_blocking=True)
         buf["last_page_len"].copy_(paged_kv_last_page_len, non_blocking=True)
+        if fixed_split_size is not None:
+            buf["tiles_per_split"].fill_(fixed_split_size // TILE)
 
     @property
     def num_splits(self) -> int | None:
@@ -242,7 +271,7 @@ class BatchDecodeWrapper:
         p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),
                 buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(), q.shape[0], p["num_kv_heads"],
-                p["num_splits"], p["tiles_per_split"], p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]),
+                p["num_splits"], buf["tiles_per_split"].data_ptr(), p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]),
                 out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
                 torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

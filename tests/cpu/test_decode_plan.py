@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mpfa_jit
-from mpfa.decode import (MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, fixed_split_policy,
-                          split_bucket, workspace_bytes)
+from mpfa.decode import (MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, fixed_num_splits,
+                         fixed_split_policy, server_decode_splits, split_bucket, workspace_bytes)
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import decode as decode_op
 from mpfa_jit.render import render
@@ -101,6 +101,21 @@ def test_fixed_split_policy(heads, length, batch):
     adaptive = choose_num_splits(split_bucket(batch), heads, length, 132)
     assert splits <= adaptive                                       # the adaptive plan's grid at most
     assert fixed_split_policy(heads, length, 132, split_bucket(batch)) == (size, splits)
+
+
+@pytest.mark.parametrize("heads,context", [(1, 32768), (8, 131072), (2, 40000), (4, 4096)])
+def test_server_decode_splits_cover_the_batch_within_the_graph_grid(heads, context):
+    for batch in (1, 3, 8, 20, 32, 128, 256):
+        grid = server_decode_splits(heads, batch, context, context, 132)[1]
+        adaptive_full = choose_num_splits(split_bucket(batch), heads, context, 132)
+        assert grid == fixed_split_policy(heads, context, 132, batch)[1] <= adaptive_full
+        for longest in sorted({1, 63, 64, 65, 1000, 4097, context // 3, context - 1, context}):
+            size, g = server_decode_splits(heads, batch, longest, context, 132)
+            assert g == grid, "the grid must not depend on the batch's lengths (a graph is captured once)"
+            assert size % TILE == 0 and fixed_num_splits(longest, size) <= grid
+            # as fine as the adaptive plan for this batch (within the ceil-division of tiles)
+            assert size <= max(fixed_split_policy(heads, longest, 132, batch)[0], -(-longest // (grid * TILE)) * TILE)
+            assert server_decode_splits(heads, split_bucket(batch), longest, context, 132) == (size, g)
 
 
 def test_split_bucket_matches_sglang_graph_padding():

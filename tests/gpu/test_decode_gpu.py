@@ -227,12 +227,13 @@ def test_large_query_and_empty_request(shared_jit_cache):
         _check(o[[0, 2]], lse[[0, 2]], o_ref, lse_ref)
 
 
-@pytest.mark.parametrize("refresh", ["plan", "update_page_table"])
+@pytest.mark.parametrize("refresh", ["plan", "update_page_table", "split_size"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cache):
     """Capture run once; then for 50 steps append a token per request, update the page table in
     place, refresh the wrapper (re-plan with the same num_splits, or update_page_table without a host
-    sync) and replay. Each replay equals an eager run."""
+    sync, or that and a new fixed split size each step, as the SGLang backend does) and replay. Each
+    replay equals an eager run of the same grid and split size."""
     gen = torch.Generator(device="cuda").manual_seed(17)
     hkv, group, d, p, steps, splits = 2, 4, 128, 16, 50, 3
     start = [1, 15, 16, 63, 300]
@@ -269,7 +270,9 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
     eager = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     q = _rows(batch, hkv * group, d, gen)
     out = torch.empty_like(q)
-    w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+    split_size = (lambda step: 64 * (1 + step % 4)) if refresh == "split_size" else (lambda step: None)
+    w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits,
+           fixed_split_size=split_size(-1))
     w.run(q, layer, out=out)                     # load and configure the kernel before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -283,10 +286,11 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
         q.copy_(_rows(batch, hkv * group, d, gen))
         if refresh == "plan":
             w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
-        else:
-            w.update_page_table(indptr, indices, last)
+        else:   # split sizes 64..256 over up to 350 tokens: 3 splits hold it or the last takes a remainder
+            w.update_page_table(indptr, indices, last, fixed_split_size=split_size(step))
         graph.replay()
-        eager.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
+        eager.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits,
+                   fixed_split_size=split_size(step))
         o_e, lse_e = eager.run(q, layer, return_lse=True)
         torch.cuda.synchronize()
         assert torch.equal(out, o_e), f"step {step}: graph replay differs from the eager run"

@@ -12,9 +12,10 @@ replay: it rebuilds the page table with fixed-shape GPU ops and refreshes that b
 wrapper, which copies the new table into the buffers the captured kernels read.
 ``init_forward_metadata_in_graph`` is a no-op.
 
-Decode splits come from ``mpfa.decode.fixed_split_policy``: eager decode and the CUDA graph a batch
-replays cut each request into the same fixed-size KV splits (same batch-size bucket), so a server gives
-the same attention outputs with graphs on and off.
+Decode splits come from ``mpfa.decode.server_decode_splits``: eager decode and the CUDA graph a batch
+replays use the same grid (sized for the server's context length) and cut each request into the same
+fixed-size KV splits (chosen from the batch-size bucket and the batch's longest request; a graph reads
+the size from device memory), so a server gives the same attention outputs with graphs on and off.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import math
 
 import torch
 
-from ..decode import BatchDecodeWrapper, fixed_num_splits, fixed_split_policy, workspace_bytes as decode_workspace_bytes
+from ..decode import BatchDecodeWrapper, server_decode_splits, workspace_bytes as decode_workspace_bytes
 from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_bytes
 from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
 from .page_table import build_page_table, page_table_capacity
@@ -122,10 +123,11 @@ class MpfaAttnBackend(AttentionBackend):
             raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} does not support speculative decoding")
         indptr, indices, last = self._page_table(forward_batch)
         if mode.is_decode():
-            split_size, _ = self._split_policy(forward_batch.batch_size)
-            self._fit_decode_workspace(forward_batch, split_size)
+            split_size, splits = self._decode_splits(forward_batch.batch_size, self._longest(forward_batch))
+            need = decode_workspace_bytes(splits, forward_batch.batch_size, self.num_qo_heads, self.head_dim)
+            self._grow_workspace(self.decode_wrapper, need, f"decode (batch {forward_batch.batch_size})")
             self.decode_wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe,
+                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits,
                                      fixed_split_size=split_size)
             self._active = self.decode_wrapper
         else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
@@ -140,8 +142,14 @@ class MpfaAttnBackend(AttentionBackend):
                                       compensation=self.settings.compensation)
             self._active = self.prefill_wrapper
 
-    def _split_policy(self, batch_size: int) -> tuple[int, int]:
-        return fixed_split_policy(self.num_kv_heads, self.max_context_len, self.num_sms, batch_size)
+    def _decode_splits(self, batch_size: int, longest: int) -> tuple[int, int]:
+        return server_decode_splits(self.num_kv_heads, batch_size, longest, self.max_context_len, self.num_sms)
+
+    def _longest(self, forward_batch) -> int:
+        """The batch's longest request from the host copy of its lengths; the server's context length when
+        there is none (graph capture)."""
+        lens = getattr(forward_batch, "seq_lens_cpu", None)
+        return int(lens.max()) if lens is not None and len(lens) else self.max_context_len
 
     def _grow_workspace(self, wrapper, need: int, why: str):
         """Give ``wrapper`` a workspace of at least ``need`` bytes (doubling), logged with ``why``. Only the
@@ -150,15 +158,6 @@ class MpfaAttnBackend(AttentionBackend):
             size = max(need, 2 * wrapper.workspace_buffer.numel())
             logger.info("mpfa backend: %s workspace grows to %.0f MiB", why, size / 2**20)
             wrapper.workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-
-    def _fit_decode_workspace(self, forward_batch, split_size: int):
-        """Eager decode's split partials (fp32 O and LSE per split, request and query head) for this batch.
-        Graph wrappers keep their own (init_cuda_graph_state)."""
-        lens = getattr(forward_batch, "seq_lens_cpu", None)
-        longest = int(lens.max()) if lens is not None and len(lens) else self.max_context_len
-        need = decode_workspace_bytes(fixed_num_splits(longest, split_size), forward_batch.batch_size,
-                                      self.num_qo_heads, self.head_dim)
-        self._grow_workspace(self.decode_wrapper, need, f"decode (batch {forward_batch.batch_size})")
 
     def _fit_prefill_workspace(self, forward_batch, max_extend_len: int):
         """The extend kernel's workspace holds MMA-ready images of every key of the batch (about 2 bytes
@@ -175,7 +174,7 @@ class MpfaAttnBackend(AttentionBackend):
     # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         cap = page_table_capacity(max_bs, self.max_pages_per_req, self.cache.num_pages)
-        ws = max(1, max(decode_workspace_bytes(self._split_policy(bs)[1], bs, self.num_qo_heads, self.head_dim)
+        ws = max(1, max(decode_workspace_bytes(self._decode_splits(bs, 1)[1], bs, self.num_qo_heads, self.head_dim)
                         for bs in range(1, max_bs + 1)))
         self._graph = dict(
             workspace=torch.empty(ws, dtype=torch.uint8, device=self.device),
@@ -198,19 +197,19 @@ class MpfaAttnBackend(AttentionBackend):
             self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], self.page_size,
             self.max_pages_per_req, indptr_out=g["indptr"][: bs + 1], indices_out=g["indices"],
             last_page_len_out=g["last"][:bs])
+        split_size, splits = self._decode_splits(bs, self.max_context_len if in_capture else self._longest(forward_batch))
         wrapper = self._graph_decode.get(bs)
         if wrapper is None:   # one wrapper per batch size: every graph of that size reads its buffers
             wrapper = BatchDecodeWrapper(g["workspace"], backend=self.settings.kernel_backend)
             # Planned once per batch size with the full-size index table and the grid that covers the
-            # context length; replays only refresh the table. Graphs of different sizes share the split
-            # workspace: one replays at a time.
-            split_size, splits = self._split_policy(bs)
+            # context length; replays refresh the table and the split size (device memory). Graphs of
+            # different sizes share the split workspace: one replays at a time.
             wrapper.plan(indptr, g["indices"], last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                          self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits,
                          fixed_split_size=split_size)
             self._graph_decode[bs] = wrapper
-        else:
-            wrapper.update_page_table(indptr, g["indices"], last)   # no host synchronization per step
+        else:   # no host synchronization per step
+            wrapper.update_page_table(indptr, g["indices"], last, fixed_split_size=split_size)
         self._active = wrapper
 
     def init_forward_metadata_in_graph(self, forward_batch):
