@@ -1,4 +1,5 @@
 """Launch each kernel of interest a few times at one shape, for `ncu` to profile (no timing here).
+Kinds: decode, append, prefill (see each function).
 
     ncu --clock-control none --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
         python -m benchmarks.profile_kernels decode qk4pv8
@@ -40,5 +41,26 @@ def append(recipe: str, tokens: int = 32768, page_size: int = 16, launches: int 
     torch.cuda.synchronize()
 
 
+class _Launches:
+    """Stands in for the suite's timing context: launches the planned kernel a few times, untimed."""
+
+    def __init__(self, launches: int):
+        self.launches = launches
+
+    def bench(self, fn):
+        for _ in range(self.launches):
+            fn()
+        torch.cuda.synchronize()
+
+
+def prefill(recipe: str, shape: str = "16K", compensation: bool = True, launches: int = 3):
+    """One causal sequence (the prefill suite's shapes and setup): ``python -m benchmarks.profile_kernels
+    prefill qk4pv8 [16K|32K|...]``."""
+    from benchmarks.suites.prefill import SHAPES, _case, _mpfa
+    requests = dict(SHAPES)[shape]
+    case = _case("mpfa", recipe, shape, requests, compensation if recipe != "bf16" else None)
+    _mpfa(case, _Launches(launches), torch.Generator(device="cuda").manual_seed(0))
+
+
 if __name__ == "__main__":
-    {"decode": decode, "append": append}[sys.argv[1]](sys.argv[2])
+    {"decode": decode, "append": append, "prefill": prefill}[sys.argv[1]](*sys.argv[2:])
