@@ -108,16 +108,28 @@ def score_sequences(engine, score: list[dict]) -> list[dict]:
     """Teacher forcing: for each ``{"ids": prompt + output, "start": len(prompt)}`` the engine's prefill
     log-probability of every output token and of its own top-1 token at that position."""
     seqs = [s["ids"] for s in score]
+    # Asked from one position early: SGLang's first input entry carries no log-probability (None) in some
+    # versions and the scored one in others; the list always ends at the last input position, so the
+    # last len(ids) - start entries are positions start .. len(ids) - 1 either way.
     res = engine.generate(input_ids=seqs, sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}] * len(seqs),
-                          return_logprob=True, logprob_start_len=[s["start"] for s in score], top_logprobs_num=1)
-    out = []
-    for s, r in zip(score, res):
-        mi = r["meta_info"]
-        # entries cover positions start .. len(ids) - 1; position p holds log P(ids[p] | ids[:p])
-        chosen = [lp for lp, _tid, *_ in mi["input_token_logprobs"]]
-        top = [(t[0][0], t[0][1]) if t else (None, None) for t in mi["input_top_logprobs"]]
-        out.append({"chosen_logprob": chosen, "top1_logprob": [v for v, _ in top], "top1_id": [i for _, i in top]})
-    return out
+                          return_logprob=True, logprob_start_len=[max(0, s["start"] - 1) for s in score],
+                          top_logprobs_num=1)
+    return [_scored_positions(s, r["meta_info"]) for s, r in zip(score, res)]
+
+
+def _scored_positions(s: dict, meta_info: dict) -> dict:
+    """Positions ``start .. len(ids) - 1`` of one scored sequence: position p holds log P(ids[p] | ids[:p])
+    and the scorer's top-1 there. Checks that each entry's token is ids[p] (the alignment is right)."""
+    n = len(s["ids"]) - s["start"]
+    entries, tops = meta_info["input_token_logprobs"][-n:], meta_info["input_top_logprobs"][-n:]
+    if len(entries) != n or len(tops) != n:
+        raise ValueError(f"the scorer returned {len(entries)} input log-probabilities for {n} output tokens")
+    for p, (_lp, tid, *_rest) in zip(range(s["start"], len(s["ids"])), entries):
+        if tid != s["ids"][p]:
+            raise ValueError(f"scored entry for position {p} is token {tid}, not {s['ids'][p]}: misaligned")
+    top = [(t[0][0], t[0][1]) if t else (None, None) for t in tops]
+    return {"chosen_logprob": [e[0] for e in entries], "top1_logprob": [v for v, _ in top],
+            "top1_id": [i for _, i in top]}
 
 
 def logprob_gaps(scored: dict) -> list[float]:

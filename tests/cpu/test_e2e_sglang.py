@@ -212,3 +212,19 @@ def test_throughput_summary():
     assert s["soak_ok"] is True and s["tp2_tp1_token_agreement"] == 1.0
     merged = sc.merge_rows(rows, [row("mpfa-qk4pv8", 32768, 300.0)])
     assert len(merged) == len(rows) and sc.summarize(merged)["output_throughput_ratio_vs_flashinfer_bf16"]["32768"] == 3.0
+
+
+@pytest.mark.parametrize("leading_none", [True, False])
+def test_scored_positions_align_to_the_output_tokens(leading_none):
+    # prompt [5, 6, 7] + output [8, 9]; asked from position 2, so entries cover positions 2..4 (SGLang
+    # versions differ on whether the first carries a value); positions 3 and 4 are the scored ones.
+    s = {"ids": [5, 6, 7, 8, 9], "start": 3}
+    first = [None, 7, None] if leading_none else [-0.5, 7, None]
+    meta = {"input_token_logprobs": [first, [-1.0, 8, None], [-2.0, 9, None]],
+            "input_top_logprobs": [[], [[-0.25, 4, None]], [[-2.0, 9, None]]]}
+    got = sc._scored_positions(s, meta)
+    assert got == {"chosen_logprob": [-1.0, -2.0], "top1_logprob": [-0.25, -2.0], "top1_id": [4, 9]}
+    assert sc.logprob_gaps(got) == [0.75, 0.0]
+    meta["input_token_logprobs"][1][1] = 3
+    with pytest.raises(ValueError, match="misaligned"):
+        sc._scored_positions(s, meta)
