@@ -93,9 +93,10 @@ def _mpfa(case, ctx, gen):
     w = mpfa.BatchDecodeWrapper(ws)
     splits = {}
     if case["impl"] == "mpfa-graph":
-        from mpfa.decode import server_decode_splits
+        from mpfa.decode import resident_ctas, server_decode_splits
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        size, n = server_decode_splits(KV_HEADS, b, c, SERVER_CONTEXT, sms)
+        size, n = server_decode_splits(KV_HEADS, b, c, SERVER_CONTEXT, sms,
+                                       resident_ctas=resident_ctas(case["recipe"], HEAD_DIM, p, QO_HEADS // KV_HEADS, 0))
         splits = dict(num_splits=n, fixed_split_size=size)
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
     q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)

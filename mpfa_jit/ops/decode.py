@@ -10,6 +10,7 @@ OP = "decode"
 TEMPLATE = "decode.cu.jinja"
 SYMBOL = "mpfa_decode"
 SMEM_SYMBOL = "mpfa_decode_smem_bytes"
+RESIDENT_SYMBOL = "mpfa_decode_resident_ctas"   # (device, int* ctas): CTAs per SM at once
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 HEAD_DIMS = (64, 128)
 PAGE_SIZES = (1, 16, 32, 64)

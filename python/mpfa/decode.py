@@ -21,6 +21,7 @@ graphs-on and graphs-off runs then agree token for token).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -39,7 +40,8 @@ MAX_SPLITS = 128
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, *,
-                      ctas_per_sm: int | None = None, max_splits: int = MAX_SPLITS) -> int:
+                      ctas_per_sm: int | None = None, max_splits: int = MAX_SPLITS,
+                      resident_ctas: int | None = None) -> int:
     """Adaptive partitioning: split each request's KV when batch_size * num_kv_heads CTAs cannot
     keep ``ctas_per_sm`` CTAs on every SM. Among split counts from the smallest that fills the
     machine to twice that, take the one with the best SM balance (CTAs / (SMs * ceil(CTAs / SMs))),
@@ -48,10 +50,14 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_s
 
     ``ctas_per_sm`` defaults to 4 when the batch's (request, KV head) pairs are at most an eighth of
     the SMs (1 x 128K, 8 KV heads: 0.102 -> 0.092 ms on the H200, benchmarks/NOTES.md) and 2 otherwise
-    (4 made 8 x 128K 10% and 32 x 32K 6% slower)."""
+    (4 made 8 x 128K 10% and 32 x 32K 6% slower), never more than ``resident_ctas``, the CTAs of the
+    kernel one SM holds at once (bf16 head_dim 128 holds 2: 64 splits at 1 x 128K ran it in two waves,
+    0.144 -> 0.170 ms)."""
     ctas = batch_size * num_kv_heads
     if ctas_per_sm is None:
         ctas_per_sm = 4 if 8 * ctas <= num_sms else 2
+        if resident_ctas:
+            ctas_per_sm = max(1, min(ctas_per_sm, resident_ctas))
     tiles = -(-max_kv_len // TILE)
     if ctas <= 0 or tiles <= 1:
         return 1
@@ -80,19 +86,21 @@ def split_bucket(batch_size: int) -> int:
     return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
-def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int, batch_size: int = 1) -> tuple[int, int]:
+def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int, batch_size: int = 1, *,
+                       resident_ctas: int | None = None) -> tuple[int, int]:
     """``(fixed_split_size, num_splits)`` for a server's decode: the split count ``choose_num_splits`` gives
     a batch of ``split_bucket(batch_size)`` requests of ``max_kv_len`` tokens, turned into a split size.
     Eager and CUDA-graph decode of a batch use the same size (same bucket), so each request is cut the same
     way in both and its output is bit-identical; the graph's grid (``num_splits`` covers ``max_kv_len``) is
     the adaptive plan's, with no more empty CTAs than before."""
     tiles = max(1, -(-max_kv_len // TILE))
-    per = -(-tiles // choose_num_splits(split_bucket(batch_size), num_kv_heads, max_kv_len, num_sms))
+    per = -(-tiles // choose_num_splits(split_bucket(batch_size), num_kv_heads, max_kv_len, num_sms,
+                                        resident_ctas=resident_ctas))
     return per * TILE, -(-tiles // per)
 
 
 def server_decode_splits(num_kv_heads: int, batch_size: int, longest: int, max_context_len: int,
-                         num_sms: int) -> tuple[int, int]:
+                         num_sms: int, *, resident_ctas: int | None = None) -> tuple[int, int]:
     """``(fixed_split_size, num_splits)`` for a server's decode step, eager or CUDA-graph replay: the split
     size ``fixed_split_policy`` gives this batch's ``longest`` request, the grid it gives the longest
     context the server admits (what a graph captured once must cover). Both depend on the batch only
@@ -100,8 +108,8 @@ def server_decode_splits(num_kv_heads: int, batch_size: int, longest: int, max_c
     cut every request the same way (bit-identical outputs), and a short batch is cut as finely as the
     adaptive plan would cut it, not as a 128K-context batch (that was 1.9x slower at 32 x 32K)."""
     longest = max(1, int(longest))
-    size, _ = fixed_split_policy(num_kv_heads, longest, num_sms, batch_size)
-    _, grid = fixed_split_policy(num_kv_heads, max_context_len, num_sms, batch_size)
+    size, _ = fixed_split_policy(num_kv_heads, longest, num_sms, batch_size, resident_ctas=resident_ctas)
+    _, grid = fixed_split_policy(num_kv_heads, max_context_len, num_sms, batch_size, resident_ctas=resident_ctas)
     # The grid's ceil-division can leave it a split or two short of the adaptive count for a shorter
     # batch: grow the size so the grid always covers the longest request (no remainder-laden last split).
     return max(size, -(-longest // (grid * TILE)) * TILE), grid
@@ -125,6 +133,17 @@ def workspace_bytes(num_splits: int, batch_size: int, num_qo_heads: int, head_di
 def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str):
     spec = decode_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch)
     return get_kernel(spec).fn(decode_op.SYMBOL, decode_op.ARGTYPES)
+
+
+@functools.lru_cache(maxsize=None)
+def resident_ctas(recipe: str, head_dim: int, page_size: int, group_size: int, device_index: int) -> int:
+    """CTAs of that decode kernel one SM of the device holds at once (the CUDA occupancy calculator)."""
+    arch = kernel_arch(torch.device("cuda", device_index))
+    spec = decode_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch)
+    query = get_kernel(spec).fn(decode_op.RESIDENT_SYMBOL, [ctypes.c_int, ctypes.c_void_p])
+    out = ctypes.c_int(0)
+    query(device_index, ctypes.addressof(out))
+    return out.value
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +194,9 @@ class BatchDecodeWrapper:
             if num_splits is None:
                 max_len = max(paged.kv_lengths)
                 num_splits = (fixed_num_splits(max_len, fixed_split_size) if tiles_per_split
-                              else choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index)))
+                              else choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index),
+                                                     resident_ctas=resident_ctas(recipe_.name, head_dim, page_size,
+                                                                                 group, dev_index)))
             need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
                             f"head_dim {head_dim}, {num_splits} KV splits")

@@ -266,3 +266,16 @@ def test_kernel_k4_dequant_product_is_exact_for_every_block_scale():
     old = vals.to(torch.float16)[:, None] * scales.to(torch.float16)[None, :]
     exact = vals.double()[:, None] * scales.double()[None, :]
     assert torch.equal(new.double(), exact) and torch.equal(new.view(torch.int16), old.view(torch.int16))
+
+
+def test_split_count_fills_whole_waves_of_resident_ctas():
+    # 1 x 128K with 8 KV heads: 4 CTAs per SM by default, but a kernel an SM holds only 2 of (bf16 head_dim
+    # 128) must get the 2-per-SM count (64 splits ran it in two waves on the H200).
+    four = choose_num_splits(1, 8, 131072, 132)
+    two = choose_num_splits(1, 8, 131072, 132, ctas_per_sm=2)
+    assert four > two
+    assert choose_num_splits(1, 8, 131072, 132, resident_ctas=2) == two
+    assert choose_num_splits(1, 8, 131072, 132, resident_ctas=4) == four
+    assert choose_num_splits(1, 8, 131072, 132, resident_ctas=1) == choose_num_splits(1, 8, 131072, 132, ctas_per_sm=1)
+    assert choose_num_splits(32, 8, 32768, 132, resident_ctas=4) == choose_num_splits(32, 8, 32768, 132)
+    assert server_decode_splits(8, 1, 131072, 131072, 132, resident_ctas=2)[1] <= two

@@ -228,3 +228,12 @@ def test_scored_positions_align_to_the_output_tokens(leading_none):
     meta["input_token_logprobs"][1][1] = 3
     with pytest.raises(ValueError, match="misaligned"):
         sc._scored_positions(s, meta)
+
+
+def test_with_calls_keeps_every_calls_provenance():
+    first = sc.with_calls({"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}, {})
+    assert first["calls"] == [{"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}]
+    second = sc.with_calls({"command": "b", "commit": "c2", "date": "d2", "parts": ["agreement"]}, first)
+    assert [c["commit"] for c in second["calls"]] == ["c1", "c2"] and second["command"] == "b"
+    legacy = sc.with_calls({"command": "b", "commit": "c2"}, {"command": "a", "commit": "c0"})
+    assert [c["commit"] for c in legacy["calls"]] == ["c0", "c2"]

@@ -298,3 +298,21 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
         if step % 10 == 9:
             o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
             _check(out, lse_g, o_ref, lse_ref)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_plan_splits_fill_whole_waves_of_resident_ctas(recipe, head_dim, shared_jit_cache):
+    """plan's adaptive split count never targets more CTAs per SM than the kernel's occupancy allows."""
+    from mpfa.decode import choose_num_splits, resident_ctas
+    ctas = resident_ctas(recipe, head_dim, 16, 4, 0)
+    assert 1 <= ctas <= 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    hkv, length = 8, 131072
+    pages = length // 16
+    indptr = torch.tensor([0, pages], dtype=torch.int32, device="cuda")
+    indices = torch.arange(pages, dtype=torch.int32, device="cuda")
+    last = torch.tensor([16], dtype=torch.int32, device="cuda")
+    w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, 4 * hkv, hkv, head_dim, 16, recipe=recipe)
+    assert w.num_splits == choose_num_splits(1, hkv, length, sms, resident_ctas=ctas)

@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from ..decode import BatchDecodeWrapper, server_decode_splits, workspace_bytes as decode_workspace_bytes
+from ..backend import device_index, resolve
+from ..decode import BatchDecodeWrapper, resident_ctas, server_decode_splits, workspace_bytes as decode_workspace_bytes
 from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_bytes
 from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
 from .page_table import build_page_table, page_table_capacity
@@ -89,6 +90,10 @@ class MpfaAttnBackend(AttentionBackend):
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         kb = self.settings.kernel_backend
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # CTAs of the decode kernel an SM holds: the split count fills whole waves of them
+        self.decode_resident_ctas = (resident_ctas(self.recipe, self.head_dim, self.page_size,
+                                                   self.num_qo_heads // self.num_kv_heads, device_index(self.device))
+                                     if resolve(kb, self.device) == "cuda" else None)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWrapper(self.workspace, backend=kb)
         self.decode_wrapper = BatchDecodeWrapper(self.workspace, backend=kb)
@@ -143,7 +148,8 @@ class MpfaAttnBackend(AttentionBackend):
             self._active = self.prefill_wrapper
 
     def _decode_splits(self, batch_size: int, longest: int) -> tuple[int, int]:
-        return server_decode_splits(self.num_kv_heads, batch_size, longest, self.max_context_len, self.num_sms)
+        return server_decode_splits(self.num_kv_heads, batch_size, longest, self.max_context_len, self.num_sms,
+                                    resident_ctas=self.decode_resident_ctas)
 
     def _longest(self, forward_batch) -> int:
         """The batch's longest request from the host copy of its lengths; the server's context length when
