@@ -440,9 +440,22 @@ def read_result(out_dir: Path) -> dict:
     return results_io.read(path) if path.exists() else {"meta": {}, "summary": {}, "rows": []}
 
 
+def with_calls(meta: dict, previous_meta: dict) -> dict:
+    """``meta`` of this call plus ``calls``: every call whose rows the file keeps (command, commit, date),
+    the earlier ones from ``previous_meta``, so rows merged from several calls keep their provenance."""
+    calls = list(previous_meta.get("calls", []))
+    if not calls and previous_meta.get("command"):
+        calls = [{k: previous_meta.get(k) for k in ("command", "commit", "date", "parts")}]
+    this = {k: meta.get(k) for k in ("command", "commit", "date", "parts")}
+    return {**meta, "calls": calls + [this]}
+
+
 def write_rows(previous_rows: list[dict], new_rows: list[dict], out_dir: Path, meta: dict) -> list[dict]:
-    """Merge ``new_rows`` into the rows the file had when the run started, write it with the summary of
-    the result, return the rows. Called after every configuration: a killed run keeps what finished."""
+    """Merge ``new_rows`` (each stamped with this call's commit) into the rows the file had when the run
+    started, write it with the summary of the result, return the rows. Called after every configuration:
+    a killed run keeps what finished."""
+    for r in new_rows:
+        r.setdefault("commit", meta.get("commit"))
     rows = merge_rows(previous_rows, new_rows)
     results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
     return rows
@@ -481,9 +494,10 @@ def main(argv=None) -> int:
         ap.error(f"--recipes: choose from {', '.join(RECIPES)}, got {args.recipes!r}")
     n = sum(len(_configs(p, smollm2, mem_fraction, graphs_off, recipes)) + (p == "agreement") if p != "launch" else 1
             for p in parts)
-    previous = read_result(out_dir)["rows"]
+    before = read_result(out_dir)
+    previous = before["rows"]
     command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = bench_meta.collect(command.strip(), parts=parts)
+    meta = with_calls(bench_meta.collect(command.strip(), parts=parts), before["meta"])
     new: list[dict] = []
 
     with tqdm(total=n, unit="server", file=sys.stderr) as bar:

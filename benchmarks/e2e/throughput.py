@@ -261,12 +261,8 @@ def run_tp_check(args, log_dir: Path) -> dict:
 
 
 def run_meta(command: str, parts, previous_meta: dict) -> dict:
-    """This run's meta, listing the runs whose rows the file already holds (newest first, at most 20)."""
-    meta = bench_meta.collect(command, parts=list(parts))
-    if previous_meta:
-        meta["earlier_runs"] = ([{k: previous_meta.get(k) for k in ("command", "date", "commit")}]
-                                + previous_meta.get("earlier_runs", []))[:20]
-    return meta
+    """This run's meta with the calls whose rows the file already holds (sglang_check.with_calls)."""
+    return sglang_check.with_calls(bench_meta.collect(command, parts=list(parts)), previous_meta)
 
 
 def main(argv=None) -> int:
