@@ -118,9 +118,10 @@ def summary_line(summary: dict) -> str:
 
 
 def summarizer_for(name: str, meta: dict):
-    """The module whose summarize(rows) / TABLE describe results file ``name``: its suite, or the SGLang
-    check for e2e_sglang_h200; None for the other scripts' files."""
-    return suites.for_result(name, meta) or (sglang_check if name == sglang_check.RESULT else None)
+    """The module whose summarize(rows) describes results file ``name``: its suite, the SGLang check for
+    e2e_sglang_h200, the accuracy summary for accuracy; None for the other scripts' files."""
+    return (suites.for_result(name, meta) or (sglang_check if name == sglang_check.RESULT else None)
+            or (accuracy_summary if name == accuracy_summary.RESULT else None))
 
 
 def render_result(name: str, result: dict, *, image_rel: str | None = None) -> str:

@@ -16,6 +16,8 @@ compensation that compensation removes:
   (8K when the run has it, else its longest length).
 * ``ppl_increase_<recipe>`` = ppl(recipe, with compensation) / ppl(bf16) - 1, same text and length.
 * ``kl_qk4pv8``: mean per-token KL(bf16 || qk4pv8), nats, same text and length.
+* ``compensation_recovery_kernel_outlier`` (``_qk8pv8``): the same on the synthetic inputs with outlier
+  channels (:mod:`.kernel`), at their longest context (``kernel_outlier_context``).
 * ``ppl_recovery_is_noise``: true when qk4pv8's perplexity loss without compensation is under 0.2%
   (the recovery is then a ratio of two differences within noise and means little).
 * ``needle_bf16_lengths_ge_90``: lengths where the bf16 recipe retrieves the passkey in >= 90% of
@@ -128,6 +130,11 @@ def summarize(rows: list[dict]) -> dict:
         }
         table[rc] = t
     out["kernel_outlier_context"] = outl_ctx
+    # the prefill issue's figure: inputs with outlier channels, the longest context measured
+    for rc in ("qk4pv8", "qk8pv8"):
+        key = "compensation_recovery_kernel_outlier" + ("" if rc == "qk4pv8" else "_qk8pv8")
+        out[key] = _recovery(kerr(rc, False, source="outlier", ctx=outl_ctx),
+                             kerr(rc, True, source="outlier", ctx=outl_ctx), kerr("bf16", source="outlier", ctx=outl_ctx))
     out["recipes"] = table
     out["errors"] = sum(1 for r in all_rows if r.get("status") == "error")
     out["skipped"] = sum(1 for r in all_rows if r.get("status") == "skipped")

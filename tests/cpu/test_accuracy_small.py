@@ -72,8 +72,8 @@ def test_compensation_on_outlier_mean_inputs():
 
 
 def test_summarize_from_rows():
-    def k(recipe, comp, err):
-        return {"kind": "kernel", "op": "prefill", "source": "kjv-activations", "context": 512, "recipe": recipe,
+    def k(recipe, comp, err, source="kjv-activations", context=512):
+        return {"kind": "kernel", "op": "prefill", "source": source, "context": context, "recipe": recipe,
                 "compensation": comp, "smoothing": None if recipe == "bf16" else True, "rel_l2": err, "cos": 1.0,
                 "status": "ok"}
 
@@ -82,6 +82,8 @@ def test_summarize_from_rows():
                 "smoothing": None if recipe in ("bf16", None) else True, "ppl": ppl, "kl": 0.01, "status": "ok"}
 
     rows = [k("bf16", None, 0.01), k("qk4pv8", True, 0.06), k("qk4pv8", False, 0.11),
+            k("bf16", None, 0.02, "outlier", 4096), k("qk4pv8", True, 0.32, "outlier", 4096),
+            k("qk4pv8", False, 0.42, "outlier", 4096), k("qk4pv8", False, 0.9, "outlier", 1024),
             m("bf16", None, 10.0), m("qk4pv8", True, 10.01), m("qk4pv8", False, 10.015), m("qk8pv8", True, 10.005),
             {"kind": "needle", "context": 512, "impl": "mpfa", "recipe": "bf16", "compensation": None, "accuracy": 1.0,
              "status": "ok"},
@@ -89,6 +91,8 @@ def test_summarize_from_rows():
     s = summarize(rows)
     assert math.isclose(s["compensation_recovery_kernel"], 0.5)
     assert math.isclose(s["compensation_recovery_ppl"], 1 / 3)
+    assert s["kernel_outlier_context"] == 4096 and math.isclose(s["compensation_recovery_kernel_outlier"], 0.25)
+    assert s["compensation_recovery_kernel_outlier_qk8pv8"] is None   # no qk8pv8 outlier rows
     assert math.isclose(s["ppl_increase_qk4pv8"], 0.001) and math.isclose(s["ppl_increase_qk8pv8"], 0.0005)
     assert s["ppl_recovery_is_noise"] is True              # loss without compensation 0.15% < 0.2%
     assert s["needle_bf16_lengths_ge_90"] == [512] and s["skipped"] == 1 and s["errors"] == 0
