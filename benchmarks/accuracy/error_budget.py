@@ -479,13 +479,16 @@ def main(argv=None) -> int:
                     help="precision of the model-level attention (scores, softmax, PV)")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--no-synthetic", action="store_true")
-    args = ap.parse_args(argv)
+    argv_used = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv_used)
     from . import data, kernel
     from . import model as M
     from .run import _tokens
     torch.set_grad_enabled(False)
     rows = []
-    meta = {"suite": "error_budget", "torch": torch.__version__, "q_len": args.q_len, "q_tile": Q_TILE,
+    from benchmarks.meta import git_commit
+    meta = {"suite": "error_budget", "command": "python -m benchmarks.accuracy.error_budget " + " ".join(argv_used),
+            "commit": git_commit(), "torch": torch.__version__, "q_len": args.q_len, "q_tile": Q_TILE,
             "model_tokens": args.model_tokens, "model_dtype": args.model_dtype,
             "n_cal": N_CAL, "model": M.MODEL_NAME, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
 

@@ -35,4 +35,13 @@ inline int sm_count(int device) {
 template <int N>
 struct alignas(N) Bytes { uint8_t b[N]; };
 
+// 2^x in one MUFU.EX2, flushing denormal results to 0 (exp2f adds range fix-ups around it). Softmax
+// probabilities below 2^-126 are 0 in the fp16 / FP8 P the kernels multiply anyway, and far below half
+// an ulp of a row sum that holds a 1.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 }  // namespace mpfa
