@@ -30,6 +30,8 @@ Sources, alone and combined (names are the row ``config``):
   ``k4m``  the implemented format (same bytes, same exact-on-FP8 products), but each block takes the
            better of two allowed scales (rounded up, or the next one below with the max saturating);
   ``k4r``  RoPE-aware: the low-frequency half of the channels FP8 per token, the other half ``k4e``;
+  ``k4rs`` the same split with one per-token scale for the row and the implemented 4-bit blocks (one
+           E4M3 operand per K tile, as the kernels need); ``k4rsq``: only the lowest-frequency quarter FP8;
   ``~s``   suffix: the first 16 keys (one page: the attention-sink token) in FP8 per token;
            ``~b``: the same page kept exact (bf16, un-smoothed: the kernel would subtract mu_K . Q there);
   ``k8``   FP8 per token (``qk8pv8``'s K).
@@ -144,6 +146,28 @@ def k4r(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def k4rs(x: torch.Tensor, *, fp8_share: float = 0.5) -> torch.Tensor:
+    """The kernel-friendly RoPE-aware split: ONE per-token scale for the whole row (the implemented
+    qk4pv8's, token amax -> 6 * 64 = 384), the lowest-frequency ``fp8_share`` of each rotate_half
+    half (c mod D/2 >= (1 - fp8_share) * D/2) stored as E4M3 of x / scale, the other channels as the
+    implemented 4-bit format (E2M1, 16-channel blocks, block scales 2^e / 1.5*2^e rounded up). Every
+    stored value times its block scale is then exact in E4M3, so a K tile is one E4M3 operand with one
+    per-key scale for the QK MMA, as qk4pv8's is now. ``fp8_share`` 0.5: ``k4rs``, 0.25: ``k4rsq``."""
+    x = x.float()
+    d = x.shape[-1]
+    low = (torch.arange(d) % (d // 2)) >= round((1 - fp8_share) * (d // 2))
+    ts = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET).unsqueeze(-1)
+    out = torch.empty_like(x)
+    out[..., low] = quantize_e4m3(x[..., low], ts).float() * ts
+    rest = x[..., ~low]
+    blocks = rest.reshape(*rest.shape[:-1], rest.shape[-1] // BLOCK, BLOCK)
+    bs = round_up_block_scale(blocks.abs().amax(dim=-1) * (1.0 / (ts * E2M1_MAX)))
+    inv = 1.0 / (ts * bs)
+    vals = e2m1_values(e2m1_codes(blocks * inv.unsqueeze(-1)))
+    out[..., ~low] = (vals * bs.unsqueeze(-1) * ts.unsqueeze(-1)).reshape(rest.shape)
+    return out
+
+
 K_FORMATS = {
     "k4": lambda x: k4(x),
     "k4e": lambda x: k4(x, scales="e4m3"),
@@ -153,6 +177,8 @@ K_FORMATS = {
     "k4m": lambda x: k4(x, scales="restricted_mse"),
     "k4t": lambda x: k4(x, scales="none"),
     "k4r": k4r,
+    "k4rs": k4rs,
+    "k4rsq": lambda x: k4rs(x, fp8_share=0.25),
     "k8": k8,
 }
 

@@ -71,3 +71,23 @@ def test_causal_blocks_change_nothing(outlier, monkeypatch):
     monkeypatch.setattr(eb, "Q_BLOCK", 24)                    # 64 query rows -> blocks of 24, 24, 16
     ob, _ = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL), cal=cal)
     assert torch.allclose(o, ob, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25])
+def test_k4rs_is_one_e4m3_operand_per_key(share):
+    """k4rs / k4rsq: every dequantized channel divided by the row's one scale is an E4M3 value (the QK
+    MMA can take the whole K row as one E4M3 operand), and the FP8 channels are the low-frequency ones."""
+    from mpfa.recipes.fp4 import TOKEN_TARGET
+    from mpfa.recipes.fp8 import E4M3_DTYPE, amax_scale
+    gen = torch.Generator().manual_seed(3)
+    for d in (64, 128):
+        x = torch.randn(300, d, generator=gen) * torch.linspace(0.1, 4, d)
+        y = eb.k4rs(x, fp8_share=share)
+        ts = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET).unsqueeze(-1)
+        u = y / ts   # the stored E4M3 value times the block scale, up to float32 rounding of (q * ts) / ts
+        # a value E4M3 cannot hold is off by at least 2^-4 relative; float32 rounding is ~1e-7
+        assert torch.allclose(u.to(E4M3_DTYPE).float(), u, rtol=1e-5, atol=0), "not exact in E4M3"
+        low = (torch.arange(d) % (d // 2)) >= round((1 - share) * (d // 2))
+        assert low.sum() == round(share * d)
+        err = lambda m: float(((y - x)[:, m]).norm() / x[:, m].norm())
+        assert err(low) < 0.5 * err(~low)   # FP8 there, 4-bit elsewhere
