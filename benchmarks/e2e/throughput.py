@@ -36,13 +36,14 @@ from benchmarks import meta as bench_meta
 from benchmarks import results_io
 from benchmarks.e2e import sglang_check
 from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
+from mpfa.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
           "qwen3-14b": REPO / "server_configs/models/qwen3-14b"}
 CONFIGS = ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
-BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256, "mpfa-bf16": 512, "mpfa-qk8pv8": 260,
-                             "mpfa-qk4pv8": 204}
+BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256,
+                             **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in ("bf16", "qk8pv8", "qk4pv8")}}
 PORT = 30611
 
 
