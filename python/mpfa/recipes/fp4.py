@@ -1,4 +1,7 @@
-"""4-bit K (``qk4pv8``): E2M1 values, one E4M3 block scale per 16 channels, one FP32 scale per token.
+"""4-bit K: E2M1 values, one E4M3 block scale per 16 channels, one FP32 scale per token.
+
+``qk4pv8`` stores half of each K row this way and the low-frequency RoPE half in E4M3 under the same
+token scale (:func:`quantize_k4rs`); :func:`quantize_k4` is the all-4-bit row, kept for the studies.
 
 A key row ``x`` (one token, one KV head, ``head_dim`` channels, already smoothed) is stored as
 
