@@ -59,7 +59,8 @@ class KVCacheLayer:
         elif r.k_format == "e4m3":
             k = dequantize_e4m3(f["k"], f["k_scale"].unsqueeze(-1)).to(dtype)
         else:
-            k = dequantize_k4rs(f["k8"], f["k"], f["k_block_scale"], f["k_scale"]).to(dtype)
+            nb = self.head_dim // 32   # block scales in use (the field is padded to 4 bytes)
+            k = dequantize_k4rs(f["k8"], f["k"], f["k_block_scale"][..., :nb], f["k_scale"]).to(dtype)
         v = f["v"].to(dtype) if r.v_format == "bf16" else dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
         if add_mean and self.mu_k is not None:
             k = k + self.mu_k.to(dtype).unsqueeze(1)

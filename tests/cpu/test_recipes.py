@@ -386,7 +386,7 @@ def test_get_recipe_accepts_names_and_objects():
 
 
 @pytest.mark.parametrize("d,want", [(128, {"bf16": 512, "qk8pv8": 260, "qk4pv8": 232}),
-                                    (64, {"bf16": 256, "qk8pv8": 132, "qk4pv8": 118})])
+                                    (64, {"bf16": 256, "qk8pv8": 132, "qk4pv8": 120})])
 def test_bytes_per_token_head(d, want):
     for name, b in want.items():
         assert get_recipe(name).bytes_per_token_head(d) == b

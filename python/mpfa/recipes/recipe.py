@@ -28,8 +28,9 @@ class Field:
     per_row: str          # elements per (token, head): "D", "D/2", "D/4", "D/16", "D/32" or "1"
 
     def numel(self, head_dim: int) -> int:
+        # "D/32": at least 4 bytes (head_dim 64 pads 2 block scales to 4): cp.async copies 4 bytes or more
         return {"D": head_dim, "D/2": head_dim // 2, "D/4": head_dim // 4, "D/16": head_dim // BLOCK,
-                "D/32": head_dim // (2 * BLOCK), "1": 1}[self.per_row]
+                "D/32": max(4, head_dim // (2 * BLOCK)), "1": 1}[self.per_row]
 
     def itemsize(self) -> int:
         return {"bfloat16": 2, "uint8": 1, "float32": 4}[self.dtype]
@@ -54,6 +55,9 @@ class Recipe:
     @property
     def quantized_q(self) -> bool:
         return self.q_format != "bf16"
+
+    def field(self, name: str) -> Field:
+        return next(f for f in self.fields if f.name == name)
 
     def bytes_per_token_head(self, head_dim: int) -> int:
         """Bytes of K and V (values and their per-token scales) that one token of one KV head stores."""

@@ -18,6 +18,8 @@ def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> di
         out.update(k=q.view(torch.uint8), k_scale=scale)
     else:
         k8, packed, block_scale, token_scale = quantize_k4rs(ks)
+        pad = recipe.field("k_block_scale").numel(ks.shape[-1]) - block_scale.shape[-1]   # head_dim 64: 2 -> 4 bytes
+        block_scale = torch.nn.functional.pad(block_scale, (0, pad))
         out.update(k8=k8, k=packed, k_block_scale=block_scale, k_scale=token_scale)
     return out
 
