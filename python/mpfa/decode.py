@@ -86,6 +86,7 @@ def split_bucket(batch_size: int) -> int:
     return 1 << max(0, int(batch_size) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=4096)   # a server asks every decode step; pure in its integer arguments
 def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int, batch_size: int = 1, *,
                        resident_ctas: int | None = None) -> tuple[int, int]:
     """``(fixed_split_size, num_splits)`` for a server's decode: the split count ``choose_num_splits`` gives
@@ -221,8 +222,7 @@ class BatchDecodeWrapper:
                 lse_part = ws[num_splits * rows * head_dim * 4: need].view(torch.float32)
             else:
                 o_part = lse_part = None
-            plan.update(num_splits=num_splits, fn=fn, device_index=dev_index,
-                        o_part=o_part, lse_part=lse_part)
+            plan.update(num_splits=num_splits, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
         self._plan = plan
 
     def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
