@@ -127,7 +127,7 @@ def run_config(config: str, args, inputs, probe_input, context: int, log_dir: Pa
                                   tp=args.tp, port=PORT)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
-           "output_len": args.output_len, "tp": args.tp, "concurrency": args.concurrency or len(inputs),
+           "output_len": args.output_len, "tp": args.tp, "mem_fraction_static": args.mem_fraction, "concurrency": args.concurrency or len(inputs),
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
            "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}"}
     t0 = time.perf_counter()
