@@ -366,12 +366,10 @@ def summarize(rows: list[dict]) -> dict:
                 worst[recipe] = min(v, worst.get(recipe, v))
         out["greedy_agreement"] = worst
         out["agreement_by_prompt_set"] = by_set
-    base = ok.get(("capacity", "flashinfer-bf16"))
-    if base and base.get("max_total_num_tokens"):
-        ratios = {}
-        for r in rows:
-            if r["part"] == "capacity" and r.get("status") == "ok" and r.get("max_total_num_tokens"):
-                ratios[r["config"]] = r["max_total_num_tokens"] / base["max_total_num_tokens"]
+    pools = kv_pool_tokens(rows)
+    base = pools.get("flashinfer-bf16")
+    if base:
+        ratios = {config: tokens / base for config, tokens in pools.items()}
         q4 = ratios.get("mpfa-qk4pv8")
         if q4 is not None:
             out["kv_capacity_ratio"] = q4
@@ -381,6 +379,20 @@ def summarize(rows: list[dict]) -> dict:
         out["launch_command_serves_generate"] = all(r.get("status") == "ok" for r in launch)
     out.update(_throughput_summary(rows))
     return out
+
+
+def kv_pool_tokens(rows: list[dict]) -> dict[str, int]:
+    """max_total_num_tokens per configuration of the Llama-3.1-8B shape at TP 1 and the default memory
+    fraction: from the capacity rows, overridden by the throughput rows (measured later, same server
+    arguments), so a recipe whose format changed after the capacity run is counted as it serves now."""
+    pools = {}
+    for part in ("capacity", "throughput"):
+        for r in rows:
+            if (r["part"] == part and r.get("status") == "ok" and r.get("max_total_num_tokens")
+                    and r.get("model", "llama-3.1-8b") == "llama-3.1-8b" and r.get("tp", 1) == 1
+                    and r.get("mem_fraction_static", 0.85) == 0.85):
+                pools[r["config"].replace("fp8_e4m3", "fp8")] = r["max_total_num_tokens"]
+    return pools
 
 
 def _throughput_summary(rows: list[dict]) -> dict:

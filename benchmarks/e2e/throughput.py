@@ -36,13 +36,14 @@ from benchmarks import meta as bench_meta
 from benchmarks import results_io
 from benchmarks.e2e import sglang_check
 from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
+from mpfa.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
           "qwen3-14b": REPO / "server_configs/models/qwen3-14b"}
 CONFIGS = ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
-BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256, "mpfa-bf16": 512, "mpfa-qk8pv8": 260,
-                             "mpfa-qk4pv8": 204}
+BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256,
+                             **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in ("bf16", "qk8pv8", "qk4pv8")}}
 PORT = 30611
 
 
@@ -126,7 +127,7 @@ def run_config(config: str, args, inputs, probe_input, context: int, log_dir: Pa
                                   tp=args.tp, port=PORT)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
-           "output_len": args.output_len, "tp": args.tp, "concurrency": args.concurrency or len(inputs),
+           "output_len": args.output_len, "tp": args.tp, "mem_fraction_static": args.mem_fraction, "concurrency": args.concurrency or len(inputs),
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
            "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}"}
     t0 = time.perf_counter()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpfa.recipes import get_recipe
+
 NAME = "append"
 RESULT = "append_h200"
 
@@ -34,7 +36,8 @@ PAGE_SIZES = (16, 1)
 
 # Bytes written per token per KV head (K and V together) at D=128; used only to size the
 # rotation before the cache exists. Reported bytes come from the cache itself for mpfa.
-NOMINAL_OUT = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fp8": 256, "nvfp4": 144}
+# bytes written per token and head: mpfa recipes from their cache fields, peers nominal
+NOMINAL_OUT = {**{r: get_recipe(r).bytes_per_token_head(HEAD_DIM) for r in RECIPES}, "fp8": 256, "nvfp4": 144}
 IN_BYTES_PER_TOKEN_HEAD = 2 * HEAD_DIM * 2  # K and V, bf16
 
 TABLE = [

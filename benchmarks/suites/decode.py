@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mpfa.recipes import get_recipe
+
 NAME = "decode"
 RESULT = "decode_h200"
 
@@ -18,7 +20,8 @@ SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (
 PAGE_SIZES = (16, 1)
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 # FlashInfer NVFP4 KV: 64 B K + 64 B V values and 8 + 8 B of E4M3 block scales.
-BYTES_PER_TOKEN_HEAD = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fi-bf16": 512, "fi-fp8": 256, "fi-nvfp4": 144}
+BYTES_PER_TOKEN_HEAD = {**{r: get_recipe(r).bytes_per_token_head(HEAD_DIM) for r in RECIPES},
+                        "fi-bf16": 512, "fi-fp8": 256, "fi-nvfp4": 144}
 HEADLINE = (32, 32768, 16)     # the comparison point
 BIG = 256 * 1024               # batch x context from which the 80% bandwidth target applies
 

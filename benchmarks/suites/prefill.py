@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from mpfa.recipes import get_recipe
+
 NAME = "prefill"
 RESULT = "prefill_h200"
 
@@ -159,7 +161,8 @@ def run_case(case: dict, ctx) -> dict:
 
 
 # K/V bytes per token and KV head as each implementation reads them (mpfa: its cache format).
-KV_BYTES = {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204, "fa3-fp8": 256, "fa3-bf16": 512, "cudnn-bf16": 512}
+KV_BYTES = {**{r: get_recipe(r).bytes_per_token_head(HEAD_DIM) for r in RECIPES},
+            "fa3-fp8": 256, "fa3-bf16": 512, "cudnn-bf16": 512}
 
 
 def _bytes(case) -> int:

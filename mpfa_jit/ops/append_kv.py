@@ -13,9 +13,9 @@ HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (1, 16, 32, 64)
 
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# k, v, k/v strides (token, head), slots, num_tokens, num_kv_heads, k_data, k_block_scale, k_scale,
-# v_data, mu_k, v_scale, device, stream
-ARGTYPES = [_p, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _p, _i32, _p]
+# k, v, k/v strides (token, head), slots, num_tokens, num_kv_heads, k_data, k8_data (qk4pv8's E4M3 half),
+# k_block_scale, k_scale, v_data, mu_k, v_scale, device, stream
+ARGTYPES = [_p, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _p, _p, _i32, _p]
 
 
 def _check(name, value, accepted):

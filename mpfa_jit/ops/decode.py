@@ -17,9 +17,9 @@ PAGE_SIZES = (1, 16, 32, 64)
 GROUP_SIZES = tuple(range(1, 9))
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# q, q strides (request, head), k, k_block_scale, k_scale, v, v_scale, indptr, indices, last_page_len,
+# q, q strides (request, head), k, k8 (qk4pv8), k_block_scale, k_scale, v, v_scale, indptr, indices, last_page_len,
 # batch, num_kv_heads, num_splits, tiles_per_split (device int*), sm_scale, o_part, lse_part, out, out strides, lse, device, stream
-ARGTYPES = [_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _i32, _i32, _i32, _p, _f32, _p, _p, _p, _i64, _i64,
+ARGTYPES = [_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i32, _i32, _i32, _p, _f32, _p, _p, _p, _i64, _i64,
             _p, _i32, _p]
 
 

@@ -21,11 +21,11 @@ PAGE_SIZES = (1, 16, 32, 64)
 MAX_GROUP = 8   # tested range of num_qo_heads / num_kv_heads (the kernel itself takes any group)
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# q, q strides (token, head), k, k_block_scale, k_scale, v, v_scale, qo_indptr, kv_indptr, indices,
+# q, q strides (token, head), k, k8 (qk4pv8), k_block_scale, k_scale, v, v_scale, qo_indptr, kv_indptr, indices,
 # last_page_len, kv_tile_base, tile_req, tile_q, kvt_req, kvt_idx, num_tiles, num_kv_tiles, batch,
 # num_qo_heads, num_kv_heads, causal, sm_scale, mu_blocks, mu_part, mu, k_img, v_img, fa, fb, out, out
 # strides, lse, device, stream
-ARGTYPES = ([_p, _i64, _i64] + [_p] * 14 + [_i32] * 6 + [_f32, _i32] + [_p] * 7 + [_i64, _i64, _p, _i32, _p])
+ARGTYPES = ([_p, _i64, _i64] + [_p] * 15 + [_i32] * 6 + [_f32, _i32] + [_p] * 7 + [_i64, _i64, _p, _i32, _p])
 
 
 def supported(*, recipe: str, head_dim: int, page_size: int, group_size: int = 1) -> bool:

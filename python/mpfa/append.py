@@ -45,7 +45,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
     fn = _kernel(kv.recipe.name, kv.head_dim, kv.page_size, kernel_arch(kv.device))
     f = kv.fields
     fn(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.contiguous().data_ptr(),
-       k.shape[0], kv.num_kv_heads, f["k"].data_ptr(), _ptr(f.get("k_block_scale")), _ptr(f.get("k_scale")),
+       k.shape[0], kv.num_kv_heads, f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale")),
+       _ptr(f.get("k_scale")),
        f["v"].data_ptr(), _ptr(kv.mu_k), _ptr(kv.v_scale), device_index(kv.device),
        torch.cuda.current_stream(kv.device).cuda_stream)
     return ran

@@ -289,7 +289,7 @@ class BatchDecodeWrapper:
         p, buf = self._plan, self._buffers
         out, lse = kernel_outputs(q, out, return_lse)
         f = kv.fields
-        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
+        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),
                 buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(), q.shape[0], p["num_kv_heads"],
                 p["num_splits"], buf["tiles_per_split"].data_ptr(), p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]),

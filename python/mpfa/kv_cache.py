@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .recipes import Recipe, get_recipe
-from .recipes.fp4 import dequantize_k4
+from .recipes.fp4 import dequantize_k4rs
 from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
 from .recipes.smoothing import k_smoothing_mean
 from .validation import check_choice, check_positive_int
@@ -59,7 +59,8 @@ class KVCacheLayer:
         elif r.k_format == "e4m3":
             k = dequantize_e4m3(f["k"], f["k_scale"].unsqueeze(-1)).to(dtype)
         else:
-            k = dequantize_k4(f["k"], f["k_block_scale"], f["k_scale"]).to(dtype)
+            nb = self.head_dim // 32   # block scales in use (the field is padded to 4 bytes)
+            k = dequantize_k4rs(f["k8"], f["k"], f["k_block_scale"][..., :nb], f["k_scale"]).to(dtype)
         v = f["v"].to(dtype) if r.v_format == "bf16" else dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
         if add_mean and self.mu_k is not None:
             k = k + self.mu_k.to(dtype).unsqueeze(1)
@@ -70,8 +71,8 @@ class PagedKVCache:
     """All layers' KV pages in ``recipe``'s format.
 
     >>> cache = PagedKVCache("qk4pv8", num_layers=32, num_pages=4096, page_size=16, num_kv_heads=8, head_dim=128)
-    >>> cache.bytes_per_token_head   # 64 (4-bit K) + 8 (block scales) + 4 (token scale) + 128 (FP8 V)
-    204
+    >>> cache.bytes_per_token_head   # 64 (FP8 half of K) + 32 (4-bit half) + 4 (block scales) + 4 (token scale) + 128 (FP8 V)
+    232
     """
 
     def __init__(self, recipe: "str | Recipe" = "qk4pv8", *, num_layers: int, num_pages: int, page_size: int,

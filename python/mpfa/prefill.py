@@ -213,7 +213,7 @@ class BatchPrefillWrapper:
         p, buf = self._plan, self._buffers
         out, lse = kernel_outputs(q, out, return_lse)
         f, ws = kv.fields, p["sections"]
-        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k_block_scale")),
+        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale")),
                 _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["qo_indptr"].data_ptr(),
                 buf["kv_indptr"].data_ptr(), buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(),
                 buf["kv_tile_base"].data_ptr(), buf["tile_req"].data_ptr(), buf["tile_q"].data_ptr(),

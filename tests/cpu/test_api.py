@@ -65,10 +65,10 @@ def test_cache_fields_per_recipe(d):
     want = {
         "bf16": {"k": (torch.bfloat16, (d,)), "v": (torch.bfloat16, (d,))},
         "qk8pv8": {"k": (torch.uint8, (d,)), "k_scale": (torch.float32, ()), "v": (torch.uint8, (d,))},
-        "qk4pv8": {"k": (torch.uint8, (d // 2,)), "k_block_scale": (torch.uint8, (d // 16,)),
-                   "k_scale": (torch.float32, ()), "v": (torch.uint8, (d,))},
+        "qk4pv8": {"k8": (torch.uint8, (d // 2,)), "k": (torch.uint8, (d // 4,)),
+                   "k_block_scale": (torch.uint8, (max(4, d // 32),)), "k_scale": (torch.float32, ()), "v": (torch.uint8, (d,))},
     }
-    bpth = {64: {"bf16": 256, "qk8pv8": 132, "qk4pv8": 104}, 128: {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204}}[d]
+    bpth = {64: {"bf16": 256, "qk8pv8": 132, "qk4pv8": 120}, 128: {"bf16": 512, "qk8pv8": 260, "qk4pv8": 232}}[d]
     for recipe, fields in want.items():
         c = _cache(recipe, layers=3, pages=5, page_size=32, heads=4, d=d)
         assert set(c.fields) == set(fields)

@@ -93,6 +93,24 @@ def test_summary_of_capacity_and_launch():
     assert sc.summarize(rows)["launch_command_serves_generate"] is False
 
 
+def test_capacity_of_a_recipe_comes_from_its_newest_rows():
+    """A recipe whose format changed after the capacity run: the throughput rows (same server arguments)
+    override it, a superseded row is ignored, and SGLang's fp8 pool is one configuration under both names."""
+    rows = [{"part": "capacity", "config": "flashinfer-bf16", "status": "ok", "max_total_num_tokens": 1000},
+            {"part": "capacity", "config": "flashinfer-fp8_e4m3", "status": "ok", "max_total_num_tokens": 2000},
+            {"part": "capacity", "config": "mpfa-qk4pv8", "status": "superseded", "max_total_num_tokens": 2510},
+            {"part": "throughput", "model": "llama-3.1-8b", "tp": 1, "config": "mpfa-qk4pv8", "status": "ok",
+             "max_total_num_tokens": 2207},
+            {"part": "throughput", "model": "qwen3-14b", "tp": 1, "config": "mpfa-qk4pv8", "status": "ok",
+             "max_total_num_tokens": 999},
+            {"part": "throughput", "model": "llama-3.1-8b", "tp": 1, "config": "mpfa-bf16", "status": "ok",
+             "mem_fraction_static": 0.5, "max_total_num_tokens": 400}]
+    s = sc.summarize(rows)
+    assert s["kv_capacity_ratio"] == 2.207
+    assert s["kv_capacity_ratio_vs_flashinfer_bf16"] == {"flashinfer-bf16": 1.0, "flashinfer-fp8": 2.0,
+                                                         "mpfa-qk4pv8": 2.207}
+
+
 def test_merge_rows_replaces_what_was_measured_again():
     old = [{"part": "agreement", "prompt_set": "stdlib", "config": "a"},
            {"part": "agreement", "prompt_set": "kjv", "config": "a"},
@@ -174,7 +192,7 @@ def test_requests_fill_the_largest_pool_twice():
             {"part": "agreement", "model": "smollm2-135m", "config": "mpfa-qk4pv8-graphs-on", "status": "ok",
              "max_total_num_tokens": 99999}]
     pools = tp.estimated_pool_tokens(rows, "llama-3.1-8b", tp.CONFIGS)
-    assert pools["flashinfer-fp8"] == 2000 and pools["mpfa-qk4pv8"] == int(1000 * 512 / 204)   # measured / bytes ratio
+    assert pools["flashinfer-fp8"] == 2000 and pools["mpfa-qk4pv8"] == int(1000 * 512 / tp.BYTES_PER_TOKEN_HEAD_D128["mpfa-qk4pv8"])   # measured / bytes ratio
     assert tp.requests_to_fill(pools, tp.CONFIGS, 90, 10) == -(-2 * pools["mpfa-qk4pv8"] // 100)
     assert tp.requests_to_fill(pools, ["flashinfer-bf16"], 90, 10) == 20
     with pytest.raises(ValueError, match="no measured max_total_num_tokens"):

@@ -385,8 +385,8 @@ def test_get_recipe_accepts_names_and_objects():
     assert set(RECIPES) == {"bf16", "qk8pv8", "qk4pv8"}
 
 
-@pytest.mark.parametrize("d,want", [(128, {"bf16": 512, "qk8pv8": 260, "qk4pv8": 204}),
-                                    (64, {"bf16": 256, "qk8pv8": 132, "qk4pv8": 104})])
+@pytest.mark.parametrize("d,want", [(128, {"bf16": 512, "qk8pv8": 260, "qk4pv8": 232}),
+                                    (64, {"bf16": 256, "qk8pv8": 132, "qk4pv8": 120})])
 def test_bytes_per_token_head(d, want):
     for name, b in want.items():
         assert get_recipe(name).bytes_per_token_head(d) == b
@@ -396,7 +396,7 @@ def test_recipe_flags():
     assert not get_recipe("bf16").quantized_k and not get_recipe("bf16").quantized_q
     r8, r4 = get_recipe("qk8pv8"), get_recipe("qk4pv8")
     assert r8.quantized_q and r8.quantized_k and r8.quantized_v and r8.k_format == "e4m3"
-    assert r4.quantized_q and r4.quantized_k and r4.quantized_v and r4.k_format == "e2m1"
+    assert r4.quantized_q and r4.quantized_k and r4.quantized_v and r4.k_format == "k4rs"
 
 
 def _e2m1_code_bits(y: torch.Tensor) -> torch.Tensor:
@@ -437,3 +437,25 @@ def test_kernel_block_scale_bit_rounding_matches_frexp():
     s = torch.where(need <= lo, torch.full_like(s, lo), s)
     s = torch.where(s == 1.5 * lo, torch.full_like(s, 2 * lo), s).clamp(max=BLOCK_SCALE_MAX)
     assert torch.equal(s, round_up_block_scale(need))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_quantize_k4rs(d):
+    """qk4pv8's K: the low-frequency RoPE half in E4M3 and the rest in 4-bit blocks under ONE token scale;
+    the whole row times 1/scale is one E4M3 operand (k4rs_to_e4m3), dequantization is that times the scale,
+    and it is far more accurate than the all-4-bit row on channels with a large spread."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(64, d, generator=gen) * torch.linspace(0.2, 6, d)
+    k8, packed, bs, ts = fp4.quantize_k4rs(x)
+    assert k8.shape == (64, d // 2) and packed.shape == (64, d // 4) and bs.shape == (64, d // 32) and ts.shape == (64,)
+    low = fp4.rope_low_channels(d)
+    assert low.sum() == d // 2 and bool(low[d // 4]) and not bool(low[0]) and bool(low[d - 1])
+    k_fp8 = fp4.k4rs_to_e4m3(k8, packed, bs)
+    deq = fp4.dequantize_k4rs(k8, packed, bs, ts)
+    assert torch.equal(deq, k_fp8.float() * ts.unsqueeze(-1))
+    # the low channels are exactly quantize_e4m3(x / ts); the others exactly quantize_k4's blocks on them
+    assert torch.equal(k8, fp8.quantize_e4m3(x[:, low], ts.unsqueeze(-1)).view(torch.uint8))
+    rel = lambda y: float((y - x).norm() / x.norm())
+    assert rel(deq) < 0.7 * rel(fp4.dequantize_k4(*fp4.quantize_k4(x)))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fp4.quantize_k4rs(torch.randn(2, 96))

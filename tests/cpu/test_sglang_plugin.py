@@ -163,7 +163,7 @@ def test_yaml_unknown_key(tmp_path):
 
 def test_cell_size():
     # bytes per token per layer = num_kv_heads * recipe.bytes_per_token_head(head_dim)
-    for recipe, per_head in (("bf16", 512), ("qk8pv8", 260), ("qk4pv8", 204)):
+    for recipe, per_head in (("bf16", 512), ("qk8pv8", 260), ("qk4pv8", 232)):
         s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": recipe})
         assert s.bytes_per_token_layer(8, 128) == 8 * per_head
 

@@ -1,4 +1,7 @@
-"""4-bit K (``qk4pv8``): E2M1 values, one E4M3 block scale per 16 channels, one FP32 scale per token.
+"""4-bit K: E2M1 values, one E4M3 block scale per 16 channels, one FP32 scale per token.
+
+``qk4pv8`` stores half of each K row this way and the low-frequency RoPE half in E4M3 under the same
+token scale (:func:`quantize_k4rs`); :func:`quantize_k4` is the all-4-bit row, kept for the studies.
 
 A key row ``x`` (one token, one KV head, ``head_dim`` channels, already smoothed) is stored as
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import E4M3_DTYPE, amax_scale
+from .fp8 import E4M3_DTYPE, amax_scale, quantize_e4m3
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -99,15 +102,66 @@ def quantize_k4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     if d % BLOCK:
         raise ValueError(f"head_dim must be a multiple of {BLOCK} for 4-bit K, got {d}")
     x = x.float()
-    blocks = x.reshape(*x.shape[:-1], d // BLOCK, BLOCK)
-    block_amax = blocks.abs().amax(dim=-1)
-    token_scale = amax_scale(block_amax.amax(dim=-1), TOKEN_TARGET)
-    need = block_amax * (1.0 / (token_scale.unsqueeze(-1) * E2M1_MAX))   # the kernel's operations
+    token_scale = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET)
+    packed, block_scale = _quantize_blocks(x, token_scale.unsqueeze(-1))
+    return packed, block_scale, token_scale
+
+
+def rope_low_channels(head_dim: int) -> torch.Tensor:
+    """Boolean mask of the low-frequency RoPE channels (rotate_half layout: channel c pairs with
+    c + D/2, and its frequency falls with c mod D/2): c mod D/2 >= D/4. K's large-mean channels and most
+    of 4-bit K's error sit there (benchmarks/NOTES.md, "a kernel-friendly RoPE-aware 4-bit K")."""
+    c = torch.arange(head_dim)
+    return (c % (head_dim // 2)) >= head_dim // 4
+
+
+def quantize_k4rs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qk4pv8's K: rows ``x[..., D]`` (D a multiple of 64) with ONE FP32 scale per row (:func:`quantize_k4`'s:
+    the row amax maps to 6 * 64), the low-frequency half of the channels (:func:`rope_low_channels`, in
+    channel order) as E4M3 of ``x / token_scale``, the other half as :func:`quantize_k4`'s 4-bit blocks of 16
+    under the same token scale. Every stored value (times its block scale) is then an E4M3 number, so a K
+    row is one E4M3 MMA operand with one scale per key.
+
+    Returns ``(k8 uint8 E4M3 [..., D/2], packed uint8 [..., D/4], block_scale uint8 E4M3 [..., D/32],
+    token_scale float32 [...])``.
+    """
+    d = x.shape[-1]
+    if d % (4 * BLOCK):
+        raise ValueError(f"head_dim must be a multiple of {4 * BLOCK} for qk4pv8's K, got {d}")
+    x = x.float()
+    low = rope_low_channels(d).to(x.device)
+    token_scale = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET)
+    ts = token_scale.unsqueeze(-1)
+    k8 = quantize_e4m3(x[..., low], ts).view(torch.uint8)
+    packed, block_scale = _quantize_blocks(x[..., ~low], ts)
+    return k8, packed, block_scale, token_scale
+
+
+def _quantize_blocks(x: torch.Tensor, ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes of ``x[..., n]`` in blocks of 16 under token scale ``ts [..., 1]``: (packed, block scales)."""
+    n = x.shape[-1]
+    blocks = x.reshape(*x.shape[:-1], n // BLOCK, BLOCK)
+    need = blocks.abs().amax(dim=-1) * (1.0 / (ts * E2M1_MAX))   # the kernel's operations
     bs = round_up_block_scale(need)
-    inv = 1.0 / (token_scale.unsqueeze(-1) * bs)      # one reciprocal per block, as in the kernel
-    codes = e2m1_codes(blocks * inv.unsqueeze(-1)).reshape(*x.shape[:-1], d)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, bs.to(E4M3_DTYPE).view(torch.uint8), token_scale
+    inv = 1.0 / (ts * bs)                                     # one reciprocal per block, as in the kernel
+    codes = e2m1_codes(blocks * inv.unsqueeze(-1)).reshape(*x.shape[:-1], n)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), bs.to(E4M3_DTYPE).view(torch.uint8)
+
+
+def k4rs_to_e4m3(k8: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 K row the QK MMA consumes, in channel order: the stored E4M3 bytes on the low-frequency
+    channels, ``block_scale * e2m1`` (exact) on the others."""
+    d = 2 * k8.shape[-1]
+    low = rope_low_channels(d).to(k8.device)
+    out = torch.empty(*k8.shape[:-1], d, dtype=torch.float32, device=k8.device)
+    out[..., low] = k8.view(E4M3_DTYPE).float()
+    out[..., ~low] = e2m1_values(unpack_codes(packed)) * block_scale_values(block_scale).repeat_interleave(BLOCK, dim=-1)
+    return out.to(E4M3_DTYPE)
+
+
+def dequantize_k4rs(k8: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+                    token_scale: torch.Tensor) -> torch.Tensor:
+    return k4rs_to_e4m3(k8, packed, block_scale).float() * token_scale.float().unsqueeze(-1)
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:

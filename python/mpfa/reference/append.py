@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recipes.fp4 import quantize_k4
+from ..recipes.fp4 import quantize_k4rs
 from ..recipes.fp8 import quantize_e4m3, quantize_per_token
 
 
@@ -17,8 +17,10 @@ def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> di
         q, scale = quantize_per_token(ks)
         out.update(k=q.view(torch.uint8), k_scale=scale)
     else:
-        packed, block_scale, token_scale = quantize_k4(ks)
-        out.update(k=packed, k_block_scale=block_scale, k_scale=token_scale)
+        k8, packed, block_scale, token_scale = quantize_k4rs(ks)
+        pad = recipe.field("k_block_scale").numel(ks.shape[-1]) - block_scale.shape[-1]   # head_dim 64: 2 -> 4 bytes
+        block_scale = torch.nn.functional.pad(block_scale, (0, pad))
+        out.update(k8=k8, k=packed, k_block_scale=block_scale, k_scale=token_scale)
     return out
 
 
