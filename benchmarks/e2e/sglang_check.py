@@ -381,15 +381,15 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def kv_pool_tokens(rows: list[dict]) -> dict[str, int]:
-    """max_total_num_tokens per configuration of the Llama-3.1-8B shape at TP 1 and the default memory
-    fraction: from the capacity rows, overridden by the throughput rows (measured later, same server
-    arguments), so a recipe whose format changed after the capacity run is counted as it serves now."""
+def kv_pool_tokens(rows: list[dict], model: str = "llama-3.1-8b") -> dict[str, int]:
+    """max_total_num_tokens per configuration of ``model`` at TP 1 and the default memory fraction: from
+    the capacity rows, overridden by the throughput rows (measured later, same server arguments), so a
+    recipe whose format changed after the capacity run is counted as it serves now."""
     pools = {}
     for part in ("capacity", "throughput"):
         for r in rows:
             if (r["part"] == part and r.get("status") == "ok" and r.get("max_total_num_tokens")
-                    and r.get("model", "llama-3.1-8b") == "llama-3.1-8b" and r.get("tp", 1) == 1
+                    and r.get("model", "llama-3.1-8b") == model and r.get("tp", 1) == 1
                     and r.get("mem_fraction_static", 0.85) == 0.85):
                 pools[r["config"].replace("fp8_e4m3", "fp8")] = r["max_total_num_tokens"]
     return pools

@@ -78,11 +78,7 @@ def requests_to_fill(pool_tokens: dict[str, int], configs, input_len: int, outpu
 def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, int]:
     """max_total_num_tokens per configuration: measured (capacity / throughput rows of this model) or,
     where missing, flashinfer-bf16's scaled by the bytes-per-token ratio."""
-    measured = {}
-    for r in rows:
-        if r.get("status") == "ok" and r.get("max_total_num_tokens") and r.get("model") == model:
-            name = {"flashinfer-fp8_e4m3": "flashinfer-fp8"}.get(r["config"], r["config"])
-            measured.setdefault(name, r["max_total_num_tokens"])
+    measured = sglang_check.kv_pool_tokens(rows, model)
     base = measured.get("flashinfer-bf16")
     if base is None:
         raise ValueError(f"no measured max_total_num_tokens for {model} flashinfer-bf16 in the results: pass "
