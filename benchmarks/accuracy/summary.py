@@ -115,6 +115,7 @@ def summarize(rows: list[dict]) -> dict:
     table = {}
     for rc in RECIPES:
         mr = mrow(rc, True)
+        m0 = None if rc == "bf16" else mrow(rc, False)
         t = {
             "kernel_rel_l2_real": kerr(rc),
             "kernel_cos_real": kerr(rc, key="cos"),
@@ -124,6 +125,8 @@ def summarize(rows: list[dict]) -> dict:
             "ppl": None if mr is None else mr.get("ppl"),
             "ppl_increase": None if (mr is None or base is None) else mr["ppl"] / base - 1,
             "kl": None if mr is None else mr.get("kl"),
+            "ppl_increase_no_comp": None if (m0 is None or base is None) else m0["ppl"] / base - 1,
+            "kl_no_comp": None if m0 is None else m0.get("kl"),
             "top1_agree": None if mr is None else mr.get("top1_agree"),
             "needle": {str(r["context"]): r.get("accuracy") for r in needle
                        if r.get("impl") == "mpfa" and r.get("recipe") == rc and r.get("compensation") == _comp(rc)},
@@ -149,6 +152,8 @@ RECIPE_COLUMNS = (   # (header, key in summary["recipes"][recipe], format)
     ("ppl", "ppl", "{:.3f}"),
     ("ppl increase", "ppl_increase", "{:+.1%}"),
     ("KL (nats)", "kl", "{:.4f}"),
+    ("ppl increase, comp off", "ppl_increase_no_comp", "{:+.1%}"),
+    ("KL, comp off", "kl_no_comp", "{:.4f}"),
     ("top-1 agree", "top1_agree", "{:.3f}"),
 )
 
