@@ -75,11 +75,36 @@ def requests_to_fill(pool_tokens: dict[str, int], configs, input_len: int, outpu
     return max(1, math.ceil(fills * largest / (input_len + output_len)))
 
 
+def weight_bytes(model: str) -> int:
+    """BF16 bytes of a decoder's weights from its config.json (embeddings, attention, gated MLP, head)."""
+    c = json.loads((MODELS[model] / "config.json").read_text())
+    h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    params = layers * (attn + 3 * h * inter) + vocab * h * (1 if c.get("tie_word_embeddings") else 2)
+    return 2 * params
+
+
+def kv_bytes_per_token(model: str, config: str) -> int:
+    c = json.loads((MODELS[model] / "config.json").read_text())
+    per_head = BYTES_PER_TOKEN_HEAD_D128[config] * (c.get("head_dim") or 128) // 128
+    return c["num_hidden_layers"] * c["num_key_value_heads"] * per_head
+
+
 def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, int]:
     """max_total_num_tokens per configuration: measured (capacity / throughput rows of this model) or,
-    where missing, flashinfer-bf16's scaled by the bytes-per-token ratio."""
+    where missing, flashinfer-bf16's scaled by the bytes-per-token ratio. A model with no measured
+    flashinfer-bf16 pool gets one from another model's: the same KV bytes, less the extra weight bytes
+    (same GPU and memory fraction; an estimate for choosing the request count, never a reported figure)."""
     measured = sglang_check.kv_pool_tokens(rows, model)
     base = measured.get("flashinfer-bf16")
+    if base is None:
+        for other in MODELS:
+            ref = sglang_check.kv_pool_tokens(rows, other).get("flashinfer-bf16") if other != model else None
+            if ref:
+                kv = ref * kv_bytes_per_token(other, "flashinfer-bf16") - (weight_bytes(model) - weight_bytes(other))
+                base = int(kv // kv_bytes_per_token(model, "flashinfer-bf16"))
+                break
     if base is None:
         raise ValueError(f"no measured max_total_num_tokens for {model} flashinfer-bf16 in the results: pass "
                          "--requests N, or run benchmarks.e2e.sglang_check --parts capacity first")

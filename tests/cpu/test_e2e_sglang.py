@@ -196,7 +196,19 @@ def test_requests_fill_the_largest_pool_twice():
     assert tp.requests_to_fill(pools, tp.CONFIGS, 90, 10) == -(-2 * pools["mpfa-qk4pv8"] // 100)
     assert tp.requests_to_fill(pools, ["flashinfer-bf16"], 90, 10) == 20
     with pytest.raises(ValueError, match="no measured max_total_num_tokens"):
-        tp.estimated_pool_tokens(rows, "qwen3-14b", tp.CONFIGS)
+        tp.estimated_pool_tokens(rows[2:], "qwen3-14b", tp.CONFIGS)
+
+
+def test_a_model_without_measurements_gets_its_pool_from_another_models():
+    """Qwen3-14B's BF16 pool from Llama-3.1-8B's: the same KV bytes less the extra weight bytes."""
+    llama_pool = 845_632
+    rows = [{"part": "capacity", "model": "llama-3.1-8b", "config": "flashinfer-bf16", "status": "ok",
+             "max_total_num_tokens": llama_pool}]
+    assert tp.weight_bytes("llama-3.1-8b") == 2 * (8_030_261_248 - 266_240)   # its published count less the norms
+    kv_bytes = llama_pool * 32 * 8 * 512 - (tp.weight_bytes("qwen3-14b") - tp.weight_bytes("llama-3.1-8b"))
+    pools = tp.estimated_pool_tokens(rows, "qwen3-14b", tp.CONFIGS)
+    assert pools["flashinfer-bf16"] == kv_bytes // (40 * 8 * 512)
+    assert 500_000 < pools["flashinfer-bf16"] < llama_pool
 
 
 def test_stream_metrics():
