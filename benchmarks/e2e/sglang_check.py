@@ -462,6 +462,23 @@ def with_calls(meta: dict, previous_meta: dict) -> dict:
     return {**meta, "calls": calls + [this]}
 
 
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Output throughput per input length and configuration (the throughput rows, TP 1), one plot per model
+    in one figure's groups: ``<model> <length>``."""
+    ok = [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1]
+    if not ok:
+        return []
+    from benchmarks import plots
+    groups = sorted({(r["model"], r["input_len"]) for r in ok})
+    labels = [f"{m} {n // 1024}K in" for m, n in groups]
+    configs = [c for c in ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
+               if any(r["config"] == c for r in ok)]
+    val = {(r["model"], r["input_len"], r["config"]): r["output_throughput"] for r in ok}
+    series = {c: [val.get((m, n, c)) for m, n in groups] for c in configs}
+    return [plots.bar(labels, series, Path(out_dir) / f"{RESULT}.png", title="SGLang output throughput, H200, 1,024 output tokens",
+                      ylabel="output tokens / s")]
+
+
 def write_rows(previous_rows: list[dict], new_rows: list[dict], out_dir: Path, meta: dict) -> list[dict]:
     """Merge ``new_rows`` (each stamped with this call's commit) into the rows the file had when the run
     started, write it with the summary of the result, return the rows. Called after every configuration:
@@ -470,6 +487,10 @@ def write_rows(previous_rows: list[dict], new_rows: list[dict], out_dir: Path, m
         r.setdefault("commit", meta.get("commit"))
     rows = merge_rows(previous_rows, new_rows)
     results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
+    try:
+        plot(rows, out_dir)
+    except RuntimeError as e:   # no matplotlib: the JSON is the result, the plot a view of it
+        print(f"no plot: {e}", file=sys.stderr)
     return rows
 
 

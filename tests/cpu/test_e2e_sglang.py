@@ -267,3 +267,15 @@ def test_with_calls_keeps_every_calls_provenance():
     assert [c["commit"] for c in second["calls"]] == ["c1", "c2"] and second["command"] == "b"
     legacy = sc.with_calls({"command": "b", "commit": "c2"}, {"command": "a", "commit": "c0"})
     assert [c["commit"] for c in legacy["calls"]] == ["c0", "c2"]
+
+
+def test_throughput_plot_has_one_bar_per_measured_configuration(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"part": "throughput", "model": "llama-3.1-8b", "input_len": n, "config": c, "tp": 1, "status": "ok",
+             "output_throughput": t} for n, c, t in ((32768, "flashinfer-bf16", 383.0), (32768, "mpfa-qk4pv8", 559.0),
+                                                    (65536, "mpfa-qk4pv8", 300.0))]
+    rows.append({"part": "throughput", "model": "llama-3.1-8b", "input_len": 32768, "config": "flashinfer-fp8",
+                 "tp": 1, "status": "error"})
+    (path,) = sc.plot(rows, tmp_path)
+    assert path.name == "e2e_sglang_h200.png" and path.stat().st_size > 1000
+    assert sc.plot([r for r in rows if r["config"] == "flashinfer-fp8"], tmp_path / "none") == []
