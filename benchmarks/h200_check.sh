@@ -27,5 +27,6 @@ PY
 python3 -m pytest ${1:-tests/gpu} -q -p no:cacheprovider --tb=line 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 if [ -n "${2:-}" ]; then
   python3 -m benchmarks.run --suites "$2" --no-readme ${3:-} 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |^Summary|FAILED|Error" | tail -60
-  cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null
+  # only the suites' own files: $OUT returns at most 8 files, and the other results would crowd them out
+  for suite in ${2//,/ }; do cp benchmarks/results/"$suite"_h200.json benchmarks/results/"$suite"_h200.png "$OUT/" 2>/dev/null; done
 fi
