@@ -356,7 +356,6 @@ def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
 
 def summarize(rows: list[dict]) -> dict:
     """``greedy_agreement`` is the lowest over the prompt sets measured (each set's figures are kept)."""
-    ok = {(r["part"], r.get("config")): r for r in rows if r.get("status") == "ok" and r["part"] != "agreement"}
     out: dict = {}
     by_set = _agreement_by_set(rows)
     if by_set:
@@ -469,10 +468,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     if not ok:
         return []
     from benchmarks import plots
+    from benchmarks.e2e.throughput import CONFIGS   # here: that module imports this one
     groups = sorted({(r["model"], r["input_len"]) for r in ok})
     labels = [f"{m} {n // 1024}K in" for m, n in groups]
-    configs = [c for c in ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
-               if any(r["config"] == c for r in ok)]
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in ok)]
     val = {(r["model"], r["input_len"], r["config"]): r["output_throughput"] for r in ok}
     series = {c: [val.get((m, n, c)) for m, n in groups] for c in configs}
     return [plots.bar(labels, series, Path(out_dir) / f"{RESULT}.png", title="SGLang output throughput, H200, 1,024 output tokens",

@@ -75,9 +75,14 @@ def requests_to_fill(pool_tokens: dict[str, int], configs, input_len: int, outpu
     return max(1, math.ceil(fills * largest / (input_len + output_len)))
 
 
+def model_config(model: str) -> dict:
+    """The model's config.json (server_configs/models/<model>)."""
+    return json.loads((MODELS[model] / "config.json").read_text())
+
+
 def weight_bytes(model: str) -> int:
     """BF16 bytes of a decoder's weights from its config.json (embeddings, attention, gated MLP, head)."""
-    c = json.loads((MODELS[model] / "config.json").read_text())
+    c = model_config(model)
     h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     d = c.get("head_dim") or h // c["num_attention_heads"]
     attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
@@ -85,10 +90,11 @@ def weight_bytes(model: str) -> int:
     return 2 * params
 
 
-def kv_bytes_per_token(model: str, config: str) -> int:
-    c = json.loads((MODELS[model] / "config.json").read_text())
-    per_head = BYTES_PER_TOKEN_HEAD_D128[config] * (c.get("head_dim") or 128) // 128
-    return c["num_hidden_layers"] * c["num_key_value_heads"] * per_head
+def bf16_kv_bytes_per_token(model: str) -> int:
+    """Bytes of a BF16 KV cache per token, all layers and KV heads."""
+    c = model_config(model)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * c["num_key_value_heads"] * 2 * 2 * head_dim
 
 
 def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, int]:
@@ -99,11 +105,11 @@ def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, in
     measured = sglang_check.kv_pool_tokens(rows, model)
     base = measured.get("flashinfer-bf16")
     if base is None:
-        for other in MODELS:
-            ref = sglang_check.kv_pool_tokens(rows, other).get("flashinfer-bf16") if other != model else None
+        for other in (m for m in MODELS if m != model):
+            ref = sglang_check.kv_pool_tokens(rows, other).get("flashinfer-bf16")
             if ref:
-                kv = ref * kv_bytes_per_token(other, "flashinfer-bf16") - (weight_bytes(model) - weight_bytes(other))
-                base = int(kv // kv_bytes_per_token(model, "flashinfer-bf16"))
+                kv = ref * bf16_kv_bytes_per_token(other) - (weight_bytes(model) - weight_bytes(other))
+                base = int(kv // bf16_kv_bytes_per_token(model))
                 break
     if base is None:
         raise ValueError(f"no measured max_total_num_tokens for {model} flashinfer-bf16 in the results: pass "
@@ -226,7 +232,7 @@ def write_tp_model(out: Path, seed: int = 0) -> Path:
     init fills each rank's shard from the same seed: different models)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = json.loads((MODELS["llama-3.1-8b"] / "config.json").read_text())
+    cfg = model_config("llama-3.1-8b")
     cfg.update(num_hidden_layers=TP_MODEL_LAYERS, vocab_size=TP_MODEL_VOCAB, torch_dtype="bfloat16",
                tie_word_embeddings=False)
     for k in ("bos_token_id", "eos_token_id"):
@@ -335,7 +341,7 @@ def main(argv=None) -> int:
             n = 0
         if n <= 0:
             ap.error(f"--requests must be a positive integer or 'auto', got {args.requests!r}")
-    model_cfg = json.loads((MODELS[args.model] / "config.json").read_text())
+    model_cfg = model_config(args.model)
     vocab, max_pos = model_cfg["vocab_size"], model_cfg["max_position_embeddings"]
     if args.input_len + args.output_len > max_pos:
         ap.error(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds {args.model}'s "
