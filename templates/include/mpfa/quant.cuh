@@ -54,4 +54,16 @@ __device__ __forceinline__ uint32_t e2m1_code(float y) {
   return (af < 1.f ? small : normal) | (a != 0 ? (bits >> 28) & 8u : 0u);   // -0 keeps no sign, like y < 0
 }
 
+// qk4pv8's K (recipes/fp4.py quantize_k4rs) splits a row of D channels into two fields in channel
+// order: the low-frequency RoPE half (c mod D/2 >= D/4) as E4M3 bytes, the other half as E2M1 nibbles.
+template <int D>
+__device__ __forceinline__ bool k4rs_low(int c) { return c % (D / 2) >= D / 4; }
+
+// Position of channel c within its half's field.
+template <int D>
+__device__ __forceinline__ int k4rs_index(int c) {
+  const int r = c % (D / 2);
+  return (c / (D / 2)) * (D / 4) + (r >= D / 4 ? r - D / 4 : r);
+}
+
 }  // namespace mpfa
