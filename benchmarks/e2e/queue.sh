@@ -7,6 +7,11 @@
 #   bash benchmarks/e2e/queue.sh wait DIR SECONDS [DEST]   # until done or SECONDS; copies results + logs to DEST
 #   bash benchmarks/e2e/queue.sh status DIR
 #
+# On a host of several GPUs, one queue per GPU, each with its own port, runs configurations side by side:
+#   CUDA_VISIBLE_DEVICES=1 bash benchmarks/e2e/queue.sh start q1 "--input-len 65536 --configs mpfa-qk4pv8 --port 30612"
+# then `python -m benchmarks.e2e.merge_results q0/e2e_sglang_h200.json q1/e2e_sglang_h200.json` (here, after
+# the files come back) folds them into benchmarks/results.
+#
 # DIR starts with a copy of benchmarks/results/e2e_sglang_h200.json, so `--requests auto` sees the measured
 # pools and DIR/e2e_sglang_h200.json ends as the whole results file (earlier rows + this queue's).
 set -uo pipefail
@@ -35,6 +40,7 @@ case "$cmd" in
     while [ ! -f "$dir/done" ] && [ $SECONDS -lt $end ]; do sleep 10; done
     grep -E "^\[|output tok/s|Error|error" "$dir/queue.log" | tail -20
     if [ -n "$dest" ]; then
+      mkdir -p "$dest"
       cp "$dir/e2e_sglang_h200.json" "$dest/" 2>/dev/null
       tar czf "$dest/e2e-logs.tgz" -C "$dir" logs queue.log 2>/dev/null
     fi

@@ -16,8 +16,10 @@ inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, 
 Input lengths are exact token counts; input + output must fit the model's positions, so "128K" with 1,024
 output tokens is ``--input-len 130048`` for Llama-3.1-8B (131,072 positions).
 
-``--requests auto`` sends enough requests to fill the largest pool of the configurations twice (from
+``--requests auto`` sends enough requests to fill the largest pool of all configurations twice (from
 ``max_total_num_tokens`` rows already in the results file, else from the recipes' bytes per token).
+Queues of configurations can share a host, one GPU each (``CUDA_VISIBLE_DEVICES``, ``--port``, see
+``benchmarks/e2e/queue.sh``); ``python -m benchmarks.e2e.merge_results`` folds their files into one.
 Rows go to ``benchmarks/results/e2e_sglang_h200.json`` (part ``throughput`` / ``soak`` / ``tp``), replacing
 earlier rows of the same configuration and length; the summary is ``benchmarks.e2e.sglang_check``'s.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -151,22 +154,24 @@ def run_load(port: int, inputs, output_len: int, concurrency: int | None):
 
 def run_config(config: str, args, inputs, probe_input, context: int, log_dir: Path, bar) -> dict:
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
-                                  tp=args.tp, port=PORT)
+                                  tp=args.tp, port=args.port)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
            "output_len": args.output_len, "tp": args.tp, "mem_fraction_static": args.mem_fraction, "concurrency": args.concurrency or len(inputs),
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
-           "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}"}
+           "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}",
+           # which GPU of the host, so runs of parallel queues (one GPU each) say so
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     t0 = time.perf_counter()
     try:
-        with Server(argv, env, log_dir / f"throughput-{args.model}-{args.input_len}-{config}.log", PORT) as srv:
+        with Server(argv, env, log_dir / f"throughput-{args.model}-{args.input_len}-{config}.log", args.port) as srv:
             row["startup_s"] = round(srv.startup_s, 1)
             row["max_total_num_tokens"] = server_info(srv.base).get("max_total_num_tokens")
             bar.set_description(f"{config} {args.input_len // 1024}K: {len(inputs)} requests")
-            results, wall = run_load(PORT, inputs, args.output_len, args.concurrency)
+            results, wall = run_load(args.port, inputs, args.output_len, args.concurrency)
             row.update(summarize_run(results, wall, args.input_len))
             if args.ttft_probe:   # a request none of the others shares a prefix with: no radix-cache hit
-                probe, _ = run_load(PORT, [probe_input], min(args.output_len, 16), 1)
+                probe, _ = run_load(args.port, [probe_input], min(args.output_len, 16), 1)
                 row["ttft_concurrency1_s"] = probe[0].ttft
             row["server_alive"] = srv.alive()
         row["status"] = "ok" if row["errors"] == 0 else "error"
@@ -184,7 +189,7 @@ def run_soak(args, log_dir: Path) -> dict:
     lengths = [max(1, int(math.exp(rng.uniform(0, math.log(100_000))))) for _ in range(args.soak_requests)]
     lengths[0] = 100_000                                        # the 100K-token request
     argv, env_extra = server_argv("mpfa-qk4pv8", args.model, context_length=131072, mem_fraction=args.mem_fraction,
-                                  tp=args.tp, port=PORT)
+                                  tp=args.tp, port=args.port)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     row = {"part": "soak", "model": args.model, "config": "mpfa-qk4pv8", "requests": len(lengths),
            "group": f"soak/{args.model}"}
@@ -192,13 +197,13 @@ def run_soak(args, log_dir: Path) -> dict:
     log = log_dir / f"soak-{args.model}.log"
     try:
         from tqdm import tqdm
-        with Server(argv, env, log, PORT) as srv, tqdm(total=len(lengths), desc="soak", unit="req", file=sys.stderr) as bar:
+        with Server(argv, env, log, args.port) as srv, tqdm(total=len(lengths), desc="soak", unit="req", file=sys.stderr) as bar:
             inputs = [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
             outs = [rng.choice((1, 16, 256)) for _ in lengths]
 
             def one(i):
                 cancel = 3 if i % 7 == 3 else None
-                r = stream_generate(PORT, inputs[i], {"max_new_tokens": outs[i], "temperature": 0.0, "ignore_eos": True},
+                r = stream_generate(args.port, inputs[i], {"max_new_tokens": outs[i], "temperature": 0.0, "ignore_eos": True},
                                     cancel_after_chunks=cancel)
                 bar.update(1)
                 return r
@@ -212,7 +217,7 @@ def run_soak(args, log_dir: Path) -> dict:
                                                                    if not r.cancelled and r.error is None),
                        long_request_tokens=lengths[0], long_request_completed=long_req.error is None
                        and long_req.output_tokens == outs[0], long_request_ttft_s=long_req.ttft)
-            after = stream_generate(PORT, [11, 12, 13, 14], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            after = stream_generate(args.port, [11, 12, 13, 14], {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
             row["answers_after"] = after.error is None and after.output_tokens == 8
             row["server_alive"] = srv.alive()
         row["status"] = "ok" if (row["errors"] == 0 and row["wrong_lengths"] == 0 and row["answers_after"]
@@ -265,10 +270,10 @@ def run_tp_check(args, log_dir: Path) -> dict:
         for config in ("flashinfer-bf16", "mpfa-bf16"):
             for tp in (1, 2):
                 argv, env_extra = server_argv(config, args.model, context_length=4096, mem_fraction=0.5, tp=tp,
-                                              port=PORT, model_path=model_dir, dummy=False)
+                                              port=args.port, model_path=model_dir, dummy=False)
                 env = server_env(**env_extra, HF_HUB_OFFLINE="1")
-                with Server(argv, env, log_dir / f"tp{tp}-{config}.log", PORT):
-                    got[(config, tp)] = _prompt_logprobs(PORT, inputs, 16)
+                with Server(argv, env, log_dir / f"tp{tp}-{config}.log", args.port):
+                    got[(config, tp)] = _prompt_logprobs(args.port, inputs, 16)
 
         def drift(a, b):
             d = [abs(x - y) for la, lb in zip(a[0], b[0]) for x, y in zip(la, lb)]
@@ -309,8 +314,12 @@ def main(argv=None) -> int:
     ap.add_argument("--soak-requests", type=int, default=200)
     ap.add_argument("--tp-check", action="store_true", help="run the TP=2 vs TP=1 check instead (2 GPUs)")
     ap.add_argument("--tp-model-dir", default="/tmp/mpfa-tp-model", help="where --tp-check writes its saved model")
+    ap.add_argument("--port", type=int, default=PORT,
+                    help="server port (default %(default)s; one per queue when queues share a host, one GPU each)")
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR))
     args = ap.parse_args(argv)
+    if not 1024 <= args.port <= 65535:
+        ap.error(f"--port must be in 1024..65535, got {args.port}")
     configs = [c for c in args.configs.split(",") if c]
     if not configs or any(c not in CONFIGS for c in configs):
         ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
@@ -332,7 +341,9 @@ def main(argv=None) -> int:
     if args.requests == "auto":
         if args.fills <= 0:
             ap.error(f"--fills must be positive, got {args.fills}")
-        n = requests_to_fill(estimated_pool_tokens(previous["rows"], args.model, configs), configs, args.input_len,
+        # every configuration's pool, not only those of this call: queues that run a subset each (one GPU
+        # apiece) send the same requests, so their rows compare as one run's would
+        n = requests_to_fill(estimated_pool_tokens(previous["rows"], args.model, CONFIGS), CONFIGS, args.input_len,
                              args.output_len, args.fills)
     else:
         try:

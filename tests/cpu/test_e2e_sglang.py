@@ -279,3 +279,28 @@ def test_throughput_plot_has_one_bar_per_measured_configuration(tmp_path):
     (path,) = sc.plot(rows, tmp_path)
     assert path.name == "e2e_sglang_h200.png" and path.stat().st_size > 1000
     assert sc.plot([r for r in rows if r["config"] == "flashinfer-fp8"], tmp_path / "none") == []
+
+
+def test_merge_results_takes_each_queues_new_rows_and_calls(tmp_path):
+    from benchmarks import results_io
+    from benchmarks.e2e import merge_results as mr
+    old = {"part": "throughput", "group": "llama/in32768/bf16", "config": "flashinfer-bf16", "status": "ok", "v": 1,
+           "model": "llama-3.1-8b", "input_len": 32768, "output_throughput": 100.0, "commit": "a"}
+    base_meta = {"gpu": "H200", "calls": [{"command": "first", "commit": "a"}]}
+    results_io.write(sc.RESULT, base_meta, sc.summarize([old]), [old], tmp_path)
+    queues = []
+    for i, (group, v) in enumerate((("llama/in65536/bf16", 2), ("llama/in65536/qk4", 3))):
+        row = {**old, "group": group, "config": ("flashinfer-bf16", "mpfa-qk4pv8")[i], "input_len": 65536, "v": v,
+               "commit": "b"}
+        meta = {"gpu": f"H200 #{i}", "calls": base_meta["calls"] + [{"command": f"queue {i}", "commit": "b"}]}
+        q = tmp_path / f"q{i}"
+        results_io.write(sc.RESULT, meta, sc.summarize([old, row]), [old, row], q)
+        queues.append(str(q / f"{sc.RESULT}.json"))
+    assert mr.main(queues + ["--out", str(tmp_path)]) == 0
+    merged = results_io.read(tmp_path / f"{sc.RESULT}.json")
+    assert sorted(r["v"] for r in merged["rows"]) == [1, 2, 3]
+    assert [c["command"] for c in merged["meta"]["calls"]] == ["first", "queue 0", "queue 1"]
+    assert merged["meta"]["gpu"] == "H200 #1"
+    assert mr.main(queues + ["--out", str(tmp_path)]) == 1   # nothing new the second time
+    with pytest.raises(SystemExit):
+        mr.main([str(tmp_path / "missing.json"), "--out", str(tmp_path)])
