@@ -470,9 +470,13 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     from benchmarks import plots
     from benchmarks.e2e.throughput import CONFIGS   # here: that module imports this one
     groups = sorted({(r["model"], r["input_len"]) for r in ok})
-    labels = [f"{m} {n // 1024}K in" for m, n in groups]
     configs = [c for c in CONFIGS if any(r["config"] == c for r in ok)]
     val = {(r["model"], r["input_len"], r["config"]): r["output_throughput"] for r in ok}
+
+    def label(m, n):   # the headline ratio under each group, where both were measured
+        b, q = val.get((m, n, "flashinfer-bf16")), val.get((m, n, "mpfa-qk4pv8"))
+        return f"{m} {n:,} in" + (f"\nqk4pv8 {q / b:.2f}x bf16" if b and q else "")
+    labels = [label(m, n) for m, n in groups]
     series = {c: [val.get((m, n, c)) for m, n in groups] for c in configs}
     return [plots.bar(labels, series, Path(out_dir) / f"{RESULT}.png", title="SGLang output throughput, H200, 1,024 output tokens",
                       ylabel="output tokens / s")]
