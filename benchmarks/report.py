@@ -138,7 +138,10 @@ def render_result(name: str, result: dict, *, image_rel: str | None = None) -> s
         lines += ["", f"{len(rows)} rows in `benchmarks/results/{name}.json`."]
     else:
         lines += [summary_line(result["summary"]), ""]
-        lines += table(rows, getattr(suite, "TABLE", None) or generic_columns(rows))
+        shown = suite.readme_rows(rows) if hasattr(suite, "readme_rows") else rows   # sweeps: the rows that matter
+        lines += table(shown, getattr(suite, "TABLE", None) or generic_columns(rows))
+        if len(shown) < len(rows):
+            lines += ["", f"{len(shown)} of {len(rows)} rows shown; all in `benchmarks/results/{name}.json`."]
     if image_rel:
         lines += ["", f"![{name}]({image_rel})"]
     return "\n".join(lines)

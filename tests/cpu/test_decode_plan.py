@@ -279,3 +279,21 @@ def test_split_count_fills_whole_waves_of_resident_ctas():
     assert choose_num_splits(1, 8, 131072, 132, resident_ctas=1) == choose_num_splits(1, 8, 131072, 132, ctas_per_sm=1)
     assert choose_num_splits(32, 8, 32768, 132, resident_ctas=4) == choose_num_splits(32, 8, 32768, 132)
     assert server_decode_splits(8, 1, 131072, 131072, 132, resident_ctas=2)[1] <= two
+
+
+def test_split_sweep_cases_and_summary():
+    from benchmarks.suites import decode_splits as ds
+    assert ds.forced_counts(1, 131072)[-1] == 64 and ds.forced_counts(55, 32768) == [1, 2]
+    assert ds.forced_counts(1, 1024) == [1, 2, 3, 4]   # no split under MIN_TOKENS_PER_SPLIT tokens
+    plans = {(c["recipe"], c["batch"], c["context"], c["plan"]) for c in ds.cases()}
+    assert all((r, b, ctx, p) in plans for r in ds.RECIPES for b, ctx in ds.SHAPES for p in ("adaptive", "server", "forced"))
+
+    def row(plan, splits, ms):
+        return {"kind": "kernel", "status": "ok", "recipe": "qk4pv8", "batch": 14, "context": 131072, "plan": plan,
+                "num_splits": splits, "ms": ms, "forced_splits": splits if plan == "forced" else None}
+    rows = [row("adaptive", 3, 1.2), row("server", 4, 1.1), row("forced", 3, 1.2), row("forced", 4, 1.1),
+            row("forced", 8, 1.0)]
+    s = ds.summarize(rows)["by_shape"]["qk4pv8/14x131072"]
+    assert s == {"best_splits": 8, "best_ms": 1.0, "adaptive_splits": 3, "adaptive_over_best": 1.2,
+                 "server_splits": 4, "server_over_best": pytest.approx(1.1)}
+    assert [(r["plan"], r["num_splits"]) for r in ds.readme_rows(rows)] == [("adaptive", 3), ("server", 4), ("forced", 8)]

@@ -1,0 +1,152 @@
+"""Decode split-count sweep: the same decode call at forced KV split counts, beside the adaptive plan
+(`choose_num_splits`) and the SGLang backend's (`server_decode_splits`), at the running batches SGLang
+decodes in the long-context throughput runs (benchmarks/e2e; e.g. ~14 x 128K for qk4pv8's pool, ~6 x 128K
+for FlashInfer BF16's).
+
+    python -m benchmarks.run --suites decode_splits
+
+Each (batch, context, recipe) builds one cache (random bf16 K/V through the append kernel, pages in random
+order, as the decode suite) and times every split count on it: the split rule's choices are judged against
+the best forced count in the same run, not against an earlier sweep (which let part of the cache sit in
+L2: benchmarks/NOTES.md, "decode split count"). Page size 16, head_dim 128, 32 query / 8 KV heads.
+"""
+from __future__ import annotations
+
+from benchmarks.suites import decode as _decode
+
+NAME = "decode_splits"
+RESULT = "decode_splits_h200"
+
+PAGE = 16
+RECIPES = ("bf16", "qk4pv8")
+# (batch, context): the issue's single long request, the e2e runs' running batches (BF16 / qk4pv8 pools at
+# 128K, 64K, 32K), and the decode suite's 8 x 128K.
+SHAPES = ((1, 131072), (6, 131072), (8, 131072), (14, 131072), (12, 65536), (28, 65536), (25, 32768), (55, 32768))
+FORCED = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+MAX_CTAS = 132 * 8   # forced counts past ~8 CTAs per SM only add merge work
+
+TABLE = [
+    ("kv", "recipe", "{}"),
+    ("batch", "batch", "{}"),
+    ("context", "context", "{}"),
+    ("plan", "plan", "{}"),
+    ("splits", "num_splits", "{}"),
+    ("ms", "ms", "{:.4f}"),
+    ("of HBM read", "hbm_fraction", "{:.2f}"),
+    ("status", "status", "{}"),
+]
+
+
+def _case(recipe, batch, context, plan, splits=None):
+    tag = plan if splits is None else f"forced{splits}"
+    return {"id": f"{recipe}/b{batch}/ctx{context}/{tag}", "kind": "kernel", "impl": "mpfa", "recipe": recipe,
+            "batch": batch, "context": context, "page_size": PAGE, "plan": plan, "forced_splits": splits,
+            "qo_heads": _decode.QO_HEADS, "kv_heads": _decode.KV_HEADS, "head_dim": _decode.HEAD_DIM}
+
+
+def forced_counts(batch: int, context: int) -> list[int]:
+    """The forced split counts worth timing for a shape: no split shorter than the kernel allows, no grid
+    past MAX_CTAS (but always 1)."""
+    from mpfa.decode import MIN_TOKENS_PER_SPLIT
+    cap = max(1, context // MIN_TOKENS_PER_SPLIT)
+    return [s for s in FORCED if s == 1 or (s <= cap and batch * _decode.KV_HEADS * s <= MAX_CTAS)]
+
+
+def cases(quick: bool = False) -> list[dict]:
+    shapes = SHAPES[:2] if quick else SHAPES
+    out = []
+    for b, ctx in shapes:
+        for r in RECIPES:   # grouped by (shape, recipe): consecutive cases share one cache
+            out += [_case(r, b, ctx, "adaptive"), _case(r, b, ctx, "server")]
+            out += [_case(r, b, ctx, "forced", s) for s in forced_counts(b, ctx)]
+    return out
+
+
+_built: dict = {}   # the last (recipe, batch, context)'s cache, page table and query
+
+
+def _setup(case, seed):
+    import torch
+    import mpfa
+    key = (case["recipe"], case["batch"], case["context"])
+    if key not in _built:
+        _built.clear()
+        torch.cuda.empty_cache()
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        num_pages, indptr, indices, last = _decode._page_table(case["batch"], case["context"], PAGE, "cuda", gen)
+        cache = mpfa.PagedKVCache(case["recipe"], num_layers=1, num_pages=num_pages, page_size=PAGE,
+                                  num_kv_heads=_decode.KV_HEADS, head_dim=_decode.HEAD_DIM, device="cuda")
+        _decode._fill_mpfa(cache, gen)
+        q = torch.randn(case["batch"], _decode.QO_HEADS, _decode.HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+        _built[key] = (cache, (indptr, indices, last), q)
+    return _built[key]
+
+
+def run_case(case: dict, ctx) -> dict:
+    import torch
+    import mpfa
+    from mpfa.decode import resident_ctas, server_decode_splits
+    cache, (indptr, indices, last), q = _setup(case, ctx.seed)
+    b, c, r = case["batch"], case["context"], case["recipe"]
+    group = _decode.QO_HEADS // _decode.KV_HEADS
+    splits = {}
+    if case["plan"] == "server":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        size, n = server_decode_splits(_decode.KV_HEADS, b, c, _decode.SERVER_CONTEXT, sms,
+                                       resident_ctas=resident_ctas(r, _decode.HEAD_DIM, PAGE, group, 0))
+        splits = dict(num_splits=n, fixed_split_size=size)
+    elif case["plan"] == "forced":
+        splits = dict(num_splits=case["forced_splits"])
+    w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+    w.plan(indptr, indices, last, _decode.QO_HEADS, _decode.KV_HEADS, _decode.HEAD_DIM, PAGE, recipe=r, **splits)
+    out = torch.empty_like(q)
+    layer = cache.layer(0)
+    timing = ctx.bench(lambda: w.run(q, layer, out=out))
+    tokens = b * c
+    qo = 2 * b * _decode.QO_HEADS * _decode.HEAD_DIM * 2
+    return {**case, "status": "ok", "num_splits": w.num_splits, "bytes_per_token_head": cache.bytes_per_token_head,
+            "resident_ctas": resident_ctas(r, _decode.HEAD_DIM, PAGE, group, 0),
+            "bytes": tokens * _decode.KV_HEADS * cache.bytes_per_token_head + qo, **timing.as_row()}
+
+
+annotate = _decode.annotate
+
+
+def readme_rows(rows: list[dict]) -> list[dict]:
+    """The README's table: per (recipe, shape) the adaptive and server plans and the fastest forced count."""
+    ok = [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+    best = {}
+    for r in ok:
+        k = (r["recipe"], r["batch"], r["context"])
+        if r["plan"] == "forced" and (k not in best or r["ms"] < best[k]["ms"]):
+            best[k] = r
+    return [r for r in rows if r.get("kind") != "kernel" or r.get("status") != "ok" or r["plan"] != "forced"
+            or best.get((r["recipe"], r["batch"], r["context"])) is r]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per (recipe, batch x context): the adaptive and the server plan's split count and time over the best
+    forced count's time (1.0: the rule found the best count)."""
+    from benchmarks.stats import max_spread
+    ok = [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+    per = {}
+    for r in ok:
+        per.setdefault((r["recipe"], r["batch"], r["context"]), []).append(r)
+    shapes = {}
+    for (recipe, b, c), group in sorted(per.items()):
+        forced = [r for r in group if r["plan"] == "forced"]
+        if not forced:
+            continue
+        best = min(forced, key=lambda r: r["ms"])
+        entry = {"best_splits": best["num_splits"], "best_ms": best["ms"]}
+        for plan in ("adaptive", "server"):
+            mine = next((r for r in group if r["plan"] == plan), None)
+            if mine:
+                entry[f"{plan}_splits"] = mine["num_splits"]
+                entry[f"{plan}_over_best"] = mine["ms"] / best["ms"]
+        shapes[f"{recipe}/{b}x{c}"] = entry
+    worst = {plan: max((e[f"{plan}_over_best"] for e in shapes.values() if f"{plan}_over_best" in e), default=None)
+             for plan in ("adaptive", "server")}
+    return {"by_shape": shapes, "adaptive_over_best_worst": worst["adaptive"], "server_over_best_worst": worst["server"],
+            "max_spread": max_spread(rows), "errors": sum(1 for r in rows if r.get("status") == "error"),
+            "skipped": sum(1 for r in rows if r.get("status") == "skipped")}
