@@ -120,3 +120,41 @@ def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mm
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass.stdout           # mbarrier waits
     assert "USETMAXREG.DEALLOC" in sass.stdout and "USETMAXREG.TRY_ALLOC" in sass.stdout   # producer/consumers
     assert "LDL" not in sass.stdout and "STL" not in sass.stdout     # nothing spilled
+
+
+def test_prefill_variant_knobs_parse_and_render():
+    from benchmarks.prefill_variants import parse_variant
+    from mpfa_jit.ops import prefill as op
+    from mpfa_jit.render import render
+    assert parse_variant("poly_every=4, pingpong=0") == {"poly_every": 4, "pingpong": 0}
+    assert parse_variant("") == {}
+    for bad, msg in (("nope=1", "unknown knob"), ("poly_every=x", "integer"), ("poly_every=3", "one of")):
+        with pytest.raises(ValueError, match=msg):
+            parse_variant(bad)
+    src = render(op.TEMPLATE, {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16, "arch": "sm_90a", "poly_every": 4})
+    assert "constexpr int kPolyEvery = 4;" in src
+    assert "constexpr int kPolyEvery = 0;" in render(op.TEMPLATE, {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16,
+                                                                    "arch": "sm_90a"})
+
+
+def test_ex2_poly_matches_exp2_within_its_bound():
+    """mpfa::ex2_poly (templates/include/mpfa/common.cuh) emulated in float32 with numpy, its constants read
+    from the header: relative error <= 1.3e-4 over the range the softmax feeds it, clamped below -126."""
+    import numpy as np
+    src = (mpfa_jit.render.include_dir() / "mpfa" / "common.cuh").read_text()
+    body = src[src.index("float ex2_poly"):]
+    c = [np.float32(v) for v in re.findall(r"(-?\d+\.\d+)f", body.split("return")[0])]
+    c3, c2, c1, c0 = c[-4:]
+    x = np.concatenate([np.linspace(-140, 8.81, 200001, dtype=np.float32), np.float32([-np.inf, 0.0, 1.0, -1.0])])
+    xc = np.maximum(x, np.float32(-126))
+    magic = np.float32(12582912.0)
+    t = (xc + magic).astype(np.float32)
+    f = (xc - (t - magic)).astype(np.float32)
+    p = ((c3 * f + c2) * f + c1).astype(np.float32)
+    p = (p * f + c0).astype(np.float32)
+    bits = (t.view(np.uint32).astype(np.uint64) * (1 << 23) + p.view(np.uint32)) % (1 << 32)
+    y = bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    exact = np.exp2(xc.astype(np.float64))
+    assert np.all(np.isfinite(y)) and np.all(y > 0)
+    assert np.max(np.abs(y / exact - 1)[xc > -125]) <= 1.3e-4
+    assert y[-4] == y[0] and abs(y[-3] - 1) < 1.3e-4 and abs(y[-2] - 2) < 3e-4
