@@ -304,3 +304,14 @@ def test_merge_results_takes_each_queues_new_rows_and_calls(tmp_path):
     assert mr.main(queues + ["--out", str(tmp_path)]) == 1   # nothing new the second time
     with pytest.raises(SystemExit):
         mr.main([str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+
+
+def test_server_env_keeps_nvlink_multicast_off_and_drops_mpfa_settings(monkeypatch):
+    from benchmarks.e2e.server import server_env
+    monkeypatch.setenv("MPFA_RECIPE", "bf16")
+    monkeypatch.setenv("MPFA_CACHE_DIR", "/tmp/c")
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    env = server_env(MPFA_RECIPE="qk4pv8")
+    assert env["MPFA_RECIPE"] == "qk4pv8" and env["MPFA_CACHE_DIR"] == "/tmp/c"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert env["NVSHMEM_DISABLE_NVLS"] == "1"
