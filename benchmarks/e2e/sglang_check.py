@@ -423,6 +423,17 @@ def _throughput_summary(rows: list[dict]) -> dict:
                 r["ttft_concurrency1_s"] / other["ttft_concurrency1_s"])
     if ttft:
         out["ttft_concurrency1_ratio_vs_flashinfer_bf16"] = ttft
+    # Where a run's wall time goes: SGLang runs prefill chunks and decode batches in turn, and N requests'
+    # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes").
+    split = {}
+    for (model, length, config), r in sorted(tput.items()):
+        if r.get("ttft_concurrency1_s") and r.get("wall_s") and r.get("requests"):
+            prefill = r["requests"] * r["ttft_concurrency1_s"]
+            label = f"{length}/{config}" if model == "llama-3.1-8b" else f"{model}/{length}/{config}"
+            split[label] = {"prefill_s": prefill, "decode_s": r["wall_s"] - prefill,
+                            "prefill_share": prefill / r["wall_s"]}
+    if split:
+        out["wall_time_split_estimate"] = split
     soak = [r for r in rows if r["part"] == "soak"]
     if soak:
         out["soak_ok"] = all(r.get("status") == "ok" for r in soak)
