@@ -5,7 +5,7 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (templates/prefill.cu.jinja: ``pingpong``, ``stages``,
-``poly_every``); the default build is always the first variant and the reference for the output check
+``poly_every``, ``persistent``); the default build is always the first variant and the reference for the output check
 (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one that only
 reschedules shows 0). One causal sequence per size, head_dim 128, 32 query / 8 KV heads, page size 16,
 compensation on. Rows go to ``--out`` (default benchmarks/results/studies/prefill_variants_h200.json)
@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks import results_io
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16)}
+KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1)}
 
 
 def parse_variant(text: str) -> dict:
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill_variants", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
-    ap.add_argument("--variants", nargs="+", default=["poly_every=8", "poly_every=4", "poly_every=2"])
+    ap.add_argument("--variants", nargs="+", default=["poly_every=8", "poly_every=4", "poly_every=2", "persistent=1"])
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR / "studies"))
     args = ap.parse_args(argv)
     try:

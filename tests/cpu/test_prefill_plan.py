@@ -127,6 +127,7 @@ def test_prefill_variant_knobs_parse_and_render():
     from mpfa_jit.ops import prefill as op
     from mpfa_jit.render import render
     assert parse_variant("poly_every=4, pingpong=0") == {"poly_every": 4, "pingpong": 0}
+    assert parse_variant("persistent=1") == {"persistent": 1}
     assert parse_variant("") == {}
     for bad, msg in (("nope=1", "unknown knob"), ("poly_every=x", "integer"), ("poly_every=3", "one of")):
         with pytest.raises(ValueError, match=msg):
