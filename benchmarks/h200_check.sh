@@ -2,7 +2,8 @@
 # One device call: install, prebuild every kernel the GPU tests use (16 parallel builds), run the GPU
 # tests of the given files (default: all), then the given benchmark suites.
 #   MPFA_BENCH_COMMIT=<hash> bash benchmarks/h200_check.sh "tests/gpu" "append,decode" [--quick]
-# MPFA_PREBUILD_OPS (default "append_kv,decode,prefill") limits the prebuild to those ops' kernels.
+# MPFA_PREBUILD_OPS (default "append_kv,decode,prefill") limits the prebuild to those ops' kernels;
+# MPFA_CHECK_TIMEOUT (default 480 s) bounds the tests and the suites each.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MPFA_CACHE_DIR=${MPFA_CACHE_DIR:-/tmp/mpfa-cache} MPFA_TEST_CACHE_DIR=${MPFA_CACHE_DIR:-/tmp/mpfa-cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,9 +25,10 @@ rows = warmup(s, 16, False)
 bad = [r for r in rows if r[1] == "FAILED"]
 print(f"{len(rows) - len(bad)} of {len(rows)} kernels built", *[f"\n{r[0]}: {r[3][-600:]}" for r in bad[:3]])
 PY
-python3 -m pytest ${1:-tests/gpu} -q -p no:cacheprovider --tb=line 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+# A hung kernel (a barrier mismatch in a new kernel) must not eat the whole device call: each step has a limit.
+timeout "${MPFA_CHECK_TIMEOUT:-480}" python3 -m pytest ${1:-tests/gpu} -q -p no:cacheprovider --tb=line 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 if [ -n "${2:-}" ]; then
-  python3 -m benchmarks.run --suites "$2" --no-readme ${3:-} 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |^Summary|FAILED|Error" | tail -60
+  timeout "${MPFA_CHECK_TIMEOUT:-480}" python3 -m benchmarks.run --suites "$2" --no-readme ${3:-} 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |^Summary|FAILED|Error" | tail -60
   # only the suites' own files: $OUT returns at most 8 files, and the other results would crowd them out
   for suite in ${2//,/ }; do cp benchmarks/results/"$suite"_h200.json benchmarks/results/"$suite"_h200.png "$OUT/" 2>/dev/null; done
 fi
