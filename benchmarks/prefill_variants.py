@@ -52,7 +52,9 @@ def build(recipe: str, variants: list[dict]) -> list:
         return list(ex.map(lambda s: get_kernel(s).fn(op.SYMBOL, op.ARGTYPES), specs))
 
 
-def run(tokens: int, recipe: str, variants: list[dict], seed: int = 0) -> list[dict]:
+def run(tokens: int, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None) -> list[dict]:
+    """Every variant at one size and recipe; ``on_row`` gets each row as it is measured (the caller writes
+    the file then: a variant that hangs its kernel leaves the rows before it)."""
     import torch
     import mpfa
     import mpfa.prefill as mp
@@ -90,6 +92,7 @@ def run(tokens: int, recipe: str, variants: list[dict], seed: int = 0) -> list[d
                      "finite": bool(torch.isfinite(out).all()), "max_abs_diff": float(diff.abs().max()),
                      "rel_l2": float(diff.norm() / ref.norm())})
         r = rows[-1]
+        on_row(r)
         print(f"{recipe:7s} {tokens:6d} {str(variant or 'default'):28s} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s "
               f"spread {r['spread']:.1%} max|diff| {r['max_abs_diff']:.3g} rel-L2 {r['rel_l2']:.2e}", flush=True)
     return rows
@@ -112,10 +115,17 @@ def main(argv=None) -> int:
     if any(n < 128 for n in args.tokens):
         ap.error("--tokens must be at least 128")
     from benchmarks import meta as bench_meta
-    rows = [row for n in args.tokens for r in recipes for row in run(n, r, variants)]
     command = "python -m benchmarks.prefill_variants " + " ".join(argv if argv is not None else sys.argv[1:])
-    results_io.write("prefill_variants_h200", bench_meta.collect(command.strip(), parts=["prefill_variants"]),
-                     {"variants": len(variants), "rows": len(rows)}, rows, Path(args.out))
+    meta = bench_meta.collect(command.strip(), parts=["prefill_variants"])
+    rows: list[dict] = []
+
+    def keep(row):
+        rows.append(row)
+        results_io.write("prefill_variants_h200", meta, {"variants": len(variants), "rows": len(rows)}, rows,
+                         Path(args.out))
+    for n in args.tokens:
+        for r in recipes:
+            run(n, r, variants, on_row=keep)
     return 0
 
 
