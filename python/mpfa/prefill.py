@@ -36,7 +36,7 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-KV_TILE = {"bf16": 64, "qk8pv8": 128, "qk4pv8": 128}   # keys per KV tile image (the kernel's kBN)
+KV_TILE = {"bf16": 128, "qk8pv8": 128, "qk4pv8": 128}   # keys per KV tile image (the kernel's kBN)
 MU_ROWS = 128   # query rows per block of the mu_Q partial sums (the kernel's kMuRows)
 
 

@@ -22,9 +22,9 @@ def test_q_tile_matches_the_kernel():
 
 
 def test_kv_tile_matches_the_kernel():
-    assert KV_TILE == {"bf16": 64, "qk8pv8": 128, "qk4pv8": 128}
+    assert KV_TILE == {"bf16": 128, "qk8pv8": 128, "qk4pv8": 128}
     src = render("prefill.cu.jinja", {"recipe": "bf16", "head_dim": 128, "page_size": 16, "arch": ARCH})
-    assert "constexpr int kBN = kQuant ? 128 : 64;" in src and "constexpr int kRecipe = 0;" in src
+    assert "constexpr int kBN = 128;" in src and "constexpr int kRecipe = 0;" in src
     assert f"constexpr int kMuRows = {MU_ROWS};" in src
 
 
@@ -67,7 +67,7 @@ def test_tile_schedule_covers_every_row_once_longest_first():
 
 def test_workspace_layout():
     lens = [1000, 1, 128]
-    assert kv_tiles(lens, "qk4pv8") == [8, 1, 1] and kv_tiles(lens, "bf16") == [16, 1, 2]
+    assert kv_tiles(lens, "qk4pv8") == [8, 1, 1] and kv_tiles(lens, "bf16") == [8, 1, 1]
     n = 10   # KV tiles of the FP8 recipes
     lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     assert lay["k_img"][1] == lay["v_img"][1] == n * 8 * 128 * 128
@@ -80,7 +80,7 @@ def test_workspace_layout():
     assert total >= spans[-1][0] + spans[-1][1] and total % 256 == 0
     assert set(workspace_layout(3, 32, 8, 128, lens, "qk4pv8", False)) == {"k_img", "v_img", "fa"}
     bf = workspace_layout(3, 32, 8, 128, lens, "bf16", True)                # no compensation for bf16
-    assert set(bf) == {"k_img", "v_img"} and bf["k_img"][1] == 19 * 8 * 64 * 128 * 2
+    assert set(bf) == {"k_img", "v_img"} and bf["k_img"][1] == n * 8 * 128 * 128 * 2
     assert workspace_bytes(0, 32, 8, 128, [], "qk8pv8", True) == 0
 
 
@@ -98,7 +98,7 @@ def test_plan_on_cpu_needs_reference_backend():
 @pytest.mark.nvcc
 @pytest.mark.parametrize("recipe,head_dim,page_size,mma", [
     ("qk4pv8", 128, 16, "QGMMA.64x128x32.F32.E4M3.E4M3"), ("qk8pv8", 128, 1, "QGMMA.64x128x32.F32.E4M3.E4M3"),
-    ("bf16", 128, 64, "HGMMA.64x64x16.F32.BF16"), ("qk4pv8", 64, 32, "QGMMA.64x128x32.F32.E4M3.E4M3")])
+    ("bf16", 128, 64, "HGMMA.64x128x16.F32.BF16"), ("qk4pv8", 64, 32, "QGMMA.64x128x32.F32.E4M3.E4M3")])
 def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache, sass_tools):
     cuobjdump, tool_env = sass_tools
     spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=ARCH)
