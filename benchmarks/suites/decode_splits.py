@@ -23,7 +23,7 @@ RECIPES = ("bf16", "qk4pv8")
 # 128K, 64K, 32K), and the decode suite's 8 x 128K.
 SHAPES = ((1, 131072), (6, 131072), (8, 131072), (14, 131072), (12, 65536), (28, 65536), (25, 32768), (55, 32768))
 FORCED = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
-MAX_CTAS = 132 * 8   # forced counts past ~8 CTAs per SM only add merge work
+MAX_CTAS = 132 * 16   # forced counts past ~16 CTAs per SM (4 waves at 4 resident) only add merge work
 
 TABLE = [
     ("kv", "recipe", "{}"),

@@ -283,7 +283,7 @@ def test_split_count_fills_whole_waves_of_resident_ctas():
 
 def test_split_sweep_cases_and_summary():
     from benchmarks.suites import decode_splits as ds
-    assert ds.forced_counts(1, 131072)[-1] == 64 and ds.forced_counts(55, 32768) == [1, 2]
+    assert ds.forced_counts(1, 131072)[-1] == 64 and ds.forced_counts(55, 32768) == [1, 2, 3, 4]
     assert ds.forced_counts(1, 1024) == [1, 2, 3, 4]   # no split under MIN_TOKENS_PER_SPLIT tokens
     plans = {(c["recipe"], c["batch"], c["context"], c["plan"]) for c in ds.cases()}
     assert all((r, b, ctx, p) in plans for r in ds.RECIPES for b, ctx in ds.SHAPES for p in ("adaptive", "server", "forced"))
