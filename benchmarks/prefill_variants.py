@@ -1,15 +1,16 @@
 """Prefill kernel template knobs, A/B in one process: the same plan and inputs run through each variant of
 the main kernel, timed with the suites' timer, and compared with the default variant's output.
 
-    python -m benchmarks.prefill_variants --tokens 16384 32768 --recipes qk4pv8,qk8pv8 \\
+    python -m benchmarks.prefill_variants --shapes 16K,32K --recipes qk4pv8,qk8pv8 \\
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (templates/prefill.cu.jinja: ``pingpong``, ``stages``,
-``poly_every``, ``persistent``); the default build is always the first variant and the reference for the output check
-(``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one that only
-reschedules shows 0). One causal sequence per size, head_dim 128, 32 query / 8 KV heads, page size 16,
-compensation on. Rows go to ``--out`` (default benchmarks/results/studies/prefill_variants_h200.json)
-with the meta of the run; this is a study (a speed claim goes through the prefill suite beside its peers).
+``poly_every``, ``persistent``); the default build is always the first variant and the reference for the
+output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
+that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
+its cache, page order and plan, compensation on for the quantized recipes). Rows go to ``--out`` (default
+benchmarks/results/studies/prefill_variants_h200.json) with the meta of the run; this is a study (a
+speed claim goes through the prefill suite beside its peers).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks import results_io
+from benchmarks.suites import prefill as suite
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1)}
 
 
@@ -46,37 +47,21 @@ def build(recipe: str, variants: list[dict]) -> list:
     from mpfa_jit import get_kernel
     from mpfa_jit.ops import prefill as op
     from mpfa_jit.spec import KernelSpec
-    specs = [KernelSpec.make(op.OP, op.TEMPLATE, {"recipe": recipe, "head_dim": D, "page_size": PAGE, **v}, "sm_90a",
-                             symbols=(op.SYMBOL, op.SMEM_SYMBOL)) for v in variants]
+    base = {"recipe": recipe, "head_dim": suite.HEAD_DIM, "page_size": suite.PAGE}
+    specs = [KernelSpec.make(op.OP, op.TEMPLATE, {**base, **v}, "sm_90a", symbols=(op.SYMBOL, op.SMEM_SYMBOL))
+             for v in variants]
     with ThreadPoolExecutor(8) as ex:
         return list(ex.map(lambda s: get_kernel(s).fn(op.SYMBOL, op.ARGTYPES), specs))
 
 
-def run(tokens: int, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None) -> list[dict]:
-    """Every variant at one size and recipe; ``on_row`` gets each row as it is measured (the caller writes
-    the file then: a variant that hangs its kernel leaves the rows before it)."""
+def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None) -> list[dict]:
+    """Every variant at one of the prefill suite's shapes and one recipe; ``on_row`` gets each row as it is
+    measured (the caller writes the file then: a variant that hangs its kernel leaves the rows before it)."""
     import torch
-    import mpfa
-    import mpfa.prefill as mp
     from benchmarks.timing import bench
     fns = build(recipe, variants)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    npg = -(-tokens // PAGE)
-    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=npg + 1, page_size=PAGE, num_kv_heads=HKV, head_dim=D)
-    k = torch.randn(tokens, HKV, D, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(tokens, HKV, D, generator=gen, device="cuda").bfloat16()
-    cache.calibrate(0, k[:4096], v[:4096])
-    layer = cache.layer(0)
-    mpfa.append_kv(k, v, layer, torch.arange(tokens, device="cuda"))
-    q = torch.randn(tokens, HQ, D, generator=gen, device="cuda").bfloat16()
-    qo = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    indptr = torch.tensor([0, npg], dtype=torch.int32, device="cuda")
-    idx = torch.arange(npg, dtype=torch.int32, device="cuda")
-    last = torch.tensor([tokens - (npg - 1) * PAGE], dtype=torch.int32, device="cuda")
-    ws = torch.empty(mp.workspace_bytes(1, HQ, HKV, D, [tokens], recipe, True, tokens), dtype=torch.uint8, device="cuda")
-    w = mpfa.BatchPrefillWrapper(ws)
-    w.plan(qo, indptr, idx, last, HQ, HKV, D, PAGE, causal=True, recipe=recipe)
-    flops = 4 * D * HQ * tokens * (tokens + 1) // 2
+    case = suite._case("mpfa", recipe, shape, dict(suite.SHAPES)[shape], recipe != "bf16" or None)
+    w, q, layer = suite.mpfa_setup(case, torch.Generator(device="cuda").manual_seed(seed))
     rows, ref = [], None
     for variant, fn in zip(variants, fns):
         w._plan["fn"] = fn   # same plan and workspace; only the main kernel differs
@@ -87,20 +72,20 @@ def run(tokens: int, recipe: str, variants: list[dict], seed: int = 0, on_row=la
             ref = out.clone().float()
         diff = (out.float() - ref)
         t = bench(lambda: w.run(q, layer, out=out))
-        rows.append({"recipe": recipe, "tokens": tokens, "variant": variant or {"default": True},
-                     "ms": t.median, "tflops": flops / (t.median * 1e-3) / 1e12, "spread": t.p80 / t.p20 - 1,
+        rows.append({"recipe": recipe, "shape": shape, "variant": variant or {"default": True},
+                     "ms": t.median, "tflops": case["flops"] / (t.median * 1e-3) / 1e12, "spread": t.p80 / t.p20 - 1,
                      "finite": bool(torch.isfinite(out).all()), "max_abs_diff": float(diff.abs().max()),
                      "rel_l2": float(diff.norm() / ref.norm())})
         r = rows[-1]
         on_row(r)
-        print(f"{recipe:7s} {tokens:6d} {str(variant or 'default'):28s} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s "
+        print(f"{recipe:7s} {shape:18s} {str(variant or 'default'):28s} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s "
               f"spread {r['spread']:.1%} max|diff| {r['max_abs_diff']:.3g} rel-L2 {r['rel_l2']:.2e}", flush=True)
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill_variants", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--shapes", default="16K,32K", help="prefill suite shapes, comma-separated (default %(default)s)")
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
     ap.add_argument("--variants", nargs="+", default=["poly_every=8", "poly_every=4", "poly_every=2", "persistent=1"])
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR / "studies"))
@@ -110,10 +95,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     recipes = [r for r in args.recipes.split(",") if r]
-    if any(r not in ("qk4pv8", "qk8pv8", "bf16") for r in recipes):
-        ap.error(f"--recipes: choose from qk4pv8, qk8pv8, bf16, got {args.recipes!r}")
-    if any(n < 128 for n in args.tokens):
-        ap.error("--tokens must be at least 128")
+    if not recipes or any(r not in suite.RECIPES for r in recipes):
+        ap.error(f"--recipes: choose from {', '.join(suite.RECIPES)}, got {args.recipes!r}")
+    shapes = [x for x in args.shapes.split(",") if x]
+    names = [name for name, _ in suite.SHAPES]
+    if not shapes or any(x not in names for x in shapes):
+        ap.error(f"--shapes: choose from {', '.join(names)}, got {args.shapes!r}")
     from benchmarks import meta as bench_meta
     command = "python -m benchmarks.prefill_variants " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = bench_meta.collect(command.strip(), parts=["prefill_variants"])
@@ -123,9 +110,9 @@ def main(argv=None) -> int:
         rows.append(row)
         results_io.write("prefill_variants_h200", meta, {"variants": len(variants), "rows": len(rows)}, rows,
                          Path(args.out))
-    for n in args.tokens:
+    for shape in shapes:
         for r in recipes:
-            run(n, r, variants, on_row=keep)
+            run(shape, r, variants, on_row=keep)
     return 0
 
 

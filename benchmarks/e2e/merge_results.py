@@ -41,8 +41,8 @@ def merge(base: dict, queues: list[dict]) -> tuple[dict, list[dict]]:
         q_rows, q_calls = new_rows_and_calls(base, q)
         if q_rows:
             meta = q["meta"]
-        rows = sglang_check.merge_rows(rows, q_rows) if rows else q_rows
-        calls += [c for c in q_calls if _canon(c) not in {_canon(x) for x in calls}]
+        rows = sglang_check.merge_rows(rows, q_rows)
+        calls += [c for c in q_calls if c not in calls]
     return {**meta, "calls": calls}, rows
 
 

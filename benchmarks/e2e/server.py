@@ -27,8 +27,8 @@ def server_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MPFA_") or k == "MPFA_CACHE_DIR"}
     # NVLink multicast stays off in every server (TP runs included) unless the caller set otherwise: the
     # shared GPU hosts these benchmarks run on forbid it, and every configuration then all-reduces alike.
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        env.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        env.setdefault(k, v)
     env.update(extra)
     return env
 

@@ -394,6 +394,11 @@ def kv_pool_tokens(rows: list[dict], model: str = "llama-3.1-8b") -> dict[str, i
     return pools
 
 
+def _label(model: str, *parts) -> str:
+    """A summary key: ``<length>[/<config>]`` for Llama-3.1-8B (the issue's model), ``<model>/...`` otherwise."""
+    return "/".join(str(p) for p in (parts if model == "llama-3.1-8b" else (model, *parts)))
+
+
 def _throughput_summary(rows: list[dict]) -> dict:
     """Output-throughput ratios of mpfa qk4pv8 over SGLang + FlashInfer (BF16 and FP8 KV) per model and
     input length (TP 1), their geometric means for Llama-3.1-8B, TTFT at concurrency 1, soak and TP checks."""
@@ -408,8 +413,7 @@ def _throughput_summary(rows: list[dict]) -> dict:
         for (model, length, config), r in sorted(tput.items()):
             other = tput.get((model, length, peer))
             if config == "mpfa-qk4pv8" and other:
-                label = str(length) if model == "llama-3.1-8b" else f"{model}/{length}"
-                ratios[label] = r["output_throughput"] / other["output_throughput"]
+                ratios[_label(model, length)] = r["output_throughput"] / other["output_throughput"]
         if ratios:
             out[key] = ratios
             llama = [v for k, v in ratios.items() if "/" not in k]
@@ -419,7 +423,7 @@ def _throughput_summary(rows: list[dict]) -> dict:
     for (model, length, config), r in sorted(tput.items()):
         other = tput.get((model, length, "flashinfer-bf16"))
         if config == "mpfa-qk4pv8" and other and r.get("ttft_concurrency1_s") and other.get("ttft_concurrency1_s"):
-            ttft[str(length) if model == "llama-3.1-8b" else f"{model}/{length}"] = (
+            ttft[_label(model, length)] = (
                 r["ttft_concurrency1_s"] / other["ttft_concurrency1_s"])
     if ttft:
         out["ttft_concurrency1_ratio_vs_flashinfer_bf16"] = ttft
@@ -429,8 +433,7 @@ def _throughput_summary(rows: list[dict]) -> dict:
     for (model, length, config), r in sorted(tput.items()):
         if r.get("ttft_concurrency1_s") and r.get("wall_s") and r.get("requests"):
             prefill = r["requests"] * r["ttft_concurrency1_s"]
-            label = f"{length}/{config}" if model == "llama-3.1-8b" else f"{model}/{length}/{config}"
-            split[label] = {"prefill_s": prefill, "decode_s": r["wall_s"] - prefill,
+            split[_label(model, length, config)] = {"prefill_s": prefill, "decode_s": r["wall_s"] - prefill,
                             "prefill_share": prefill / r["wall_s"]}
     if split:
         out["wall_time_split_estimate"] = split

@@ -84,6 +84,22 @@ def _fill_mpfa(cache, gen):
         mpfa.append_kv(k[:n], v[:n], layer, torch.arange(start, start + n, device="cuda"))
 
 
+def server_splits(recipe: str, batch: int, context: int, page_size: int) -> dict:
+    """The plan arguments of the SGLang backend's decode (server_decode_splits for a 128K-context server) for
+    a batch of ``batch`` requests of ``context`` tokens on this GPU."""
+    import torch
+    from mpfa.decode import resident_ctas, server_decode_splits
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    size, n = server_decode_splits(KV_HEADS, batch, context, SERVER_CONTEXT, sms,
+                                   resident_ctas=resident_ctas(recipe, HEAD_DIM, page_size, QO_HEADS // KV_HEADS, 0))
+    return dict(num_splits=n, fixed_split_size=size)
+
+
+def read_bytes(batch: int, context: int, bytes_per_token_head: int) -> int:
+    """Bytes a decode call must move: the cache of every token and KV head, q read and o written (bf16)."""
+    return batch * context * KV_HEADS * bytes_per_token_head + 2 * batch * QO_HEADS * HEAD_DIM * 2
+
+
 def _mpfa(case, ctx, gen):
     import torch
     import mpfa
@@ -94,13 +110,7 @@ def _mpfa(case, ctx, gen):
     _fill_mpfa(cache, gen)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     w = mpfa.BatchDecodeWrapper(ws)
-    splits = {}
-    if case["impl"] == "mpfa-graph":
-        from mpfa.decode import resident_ctas, server_decode_splits
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        size, n = server_decode_splits(KV_HEADS, b, c, SERVER_CONTEXT, sms,
-                                       resident_ctas=resident_ctas(case["recipe"], HEAD_DIM, p, QO_HEADS // KV_HEADS, 0))
-        splits = dict(num_splits=n, fixed_split_size=size)
+    splits = server_splits(case["recipe"], b, c, p) if case["impl"] == "mpfa-graph" else {}
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
     q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -164,10 +174,9 @@ def run_case(case: dict, ctx) -> dict:
         timing, extra = (_mpfa if case["impl"].startswith("mpfa") else _flashinfer)(case, ctx, gen)
     finally:
         torch.cuda.empty_cache()
-    tokens = case["batch"] * case["context"]
-    qo = 2 * case["batch"] * QO_HEADS * HEAD_DIM * 2   # read q, write o (bf16)
-    return {**case, **extra, "status": "ok", "bytes": tokens * KV_HEADS * extra["bytes_per_token_head"] + qo,
-            "flops": 4 * tokens * QO_HEADS * HEAD_DIM, **timing.as_row()}
+    return {**case, **extra, "status": "ok",
+            "bytes": read_bytes(case["batch"], case["context"], extra["bytes_per_token_head"]),
+            "flops": 4 * case["batch"] * case["context"] * QO_HEADS * HEAD_DIM, **timing.as_row()}
 
 
 def _gbps(row):

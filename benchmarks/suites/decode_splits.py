@@ -85,59 +85,48 @@ def _setup(case, seed):
 def run_case(case: dict, ctx) -> dict:
     import torch
     import mpfa
-    from mpfa.decode import resident_ctas, server_decode_splits
+    from mpfa.decode import resident_ctas
     cache, (indptr, indices, last), q = _setup(case, ctx.seed)
     b, c, r = case["batch"], case["context"], case["recipe"]
-    group = _decode.QO_HEADS // _decode.KV_HEADS
-    splits = {}
-    if case["plan"] == "server":
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        size, n = server_decode_splits(_decode.KV_HEADS, b, c, _decode.SERVER_CONTEXT, sms,
-                                       resident_ctas=resident_ctas(r, _decode.HEAD_DIM, PAGE, group, 0))
-        splits = dict(num_splits=n, fixed_split_size=size)
-    elif case["plan"] == "forced":
-        splits = dict(num_splits=case["forced_splits"])
+    splits = ({"num_splits": case["forced_splits"]} if case["plan"] == "forced" else
+              _decode.server_splits(r, b, c, PAGE) if case["plan"] == "server" else {})
     w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, _decode.QO_HEADS, _decode.KV_HEADS, _decode.HEAD_DIM, PAGE, recipe=r, **splits)
     out = torch.empty_like(q)
     layer = cache.layer(0)
     timing = ctx.bench(lambda: w.run(q, layer, out=out))
-    tokens = b * c
-    qo = 2 * b * _decode.QO_HEADS * _decode.HEAD_DIM * 2
     return {**case, "status": "ok", "num_splits": w.num_splits, "bytes_per_token_head": cache.bytes_per_token_head,
-            "resident_ctas": resident_ctas(r, _decode.HEAD_DIM, PAGE, group, 0),
-            "bytes": tokens * _decode.KV_HEADS * cache.bytes_per_token_head + qo, **timing.as_row()}
+            "resident_ctas": resident_ctas(r, _decode.HEAD_DIM, PAGE, _decode.QO_HEADS // _decode.KV_HEADS, 0),
+            "bytes": _decode.read_bytes(b, c, cache.bytes_per_token_head), **timing.as_row()}
 
 
 annotate = _decode.annotate
 
 
+def _by_shape(rows: list[dict]) -> dict[tuple, tuple[list[dict], dict | None]]:
+    """(recipe, batch, context) -> (its measured rows, its fastest forced-count row or None)."""
+    per: dict = {}
+    for r in _decode._ok(rows):
+        per.setdefault((r["recipe"], r["batch"], r["context"]), []).append(r)
+    return {k: (group, min((r for r in group if r["plan"] == "forced"), key=lambda r: r["ms"], default=None))
+            for k, group in sorted(per.items())}
+
+
 def readme_rows(rows: list[dict]) -> list[dict]:
     """The README's table: per (recipe, shape) the adaptive and server plans and the fastest forced count."""
-    ok = [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
-    best = {}
-    for r in ok:
-        k = (r["recipe"], r["batch"], r["context"])
-        if r["plan"] == "forced" and (k not in best or r["ms"] < best[k]["ms"]):
-            best[k] = r
+    best = {id(b) for _, b in _by_shape(rows).values() if b is not None}
     return [r for r in rows if r.get("kind") != "kernel" or r.get("status") != "ok" or r["plan"] != "forced"
-            or best.get((r["recipe"], r["batch"], r["context"])) is r]
+            or id(r) in best]
 
 
 def summarize(rows: list[dict]) -> dict:
     """Per (recipe, batch x context): the adaptive and the server plan's split count and time over the best
     forced count's time (1.0: the rule found the best count)."""
     from benchmarks.stats import max_spread
-    ok = [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
-    per = {}
-    for r in ok:
-        per.setdefault((r["recipe"], r["batch"], r["context"]), []).append(r)
     shapes = {}
-    for (recipe, b, c), group in sorted(per.items()):
-        forced = [r for r in group if r["plan"] == "forced"]
-        if not forced:
+    for (recipe, b, c), (group, best) in _by_shape(rows).items():
+        if best is None:
             continue
-        best = min(forced, key=lambda r: r["ms"])
         entry = {"best_splits": best["num_splits"], "best_ms": best["ms"]}
         for plan in ("adaptive", "server"):
             mine = next((r for r in group if r["plan"] == plan), None)

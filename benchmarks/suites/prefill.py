@@ -72,7 +72,9 @@ def _inputs(requests, gen):
     return qs, ks, vs
 
 
-def _mpfa(case, ctx, gen):
+def mpfa_setup(case, gen):
+    """The planned wrapper, Q and cache layer of an mpfa case (pages in random order, every key appended):
+    ``w.run(q, layer)`` is the call the suite times (benchmarks.prefill_variants swaps its kernel)."""
     import torch
     import mpfa
     reqs = case["requests"]
@@ -100,7 +102,12 @@ def _mpfa(case, ctx, gen):
     w = mpfa.BatchPrefillWrapper(torch.empty(max(need, 1 << 20), dtype=torch.uint8, device="cuda"))
     w.plan(qo_indptr, kv_indptr, perm[: indptr[-1]], last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
            recipe=case["recipe"], compensation=bool(case["compensation"]))
-    q = torch.cat(qs)
+    return w, torch.cat(qs), layer
+
+
+def _mpfa(case, ctx, gen):
+    import torch
+    w, q, layer = mpfa_setup(case, gen)
     out = torch.empty_like(q)
     return ctx.bench(lambda: w.run(q, layer, out=out))
 
