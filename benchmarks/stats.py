@@ -24,6 +24,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def geomean(values: Iterable[float | None]) -> float | None:
+    """Geometric mean of the values that are set and non-zero (None when none are)."""
+    xs = [x for x in values if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
 def median(values: Sequence[float]) -> float:
     return percentile(values, 50.0)
 

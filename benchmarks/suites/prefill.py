@@ -207,11 +207,6 @@ def annotate(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 def _compensation_error_removed() -> dict:
     """The share of qk4pv8's added output error that compensation removes is an accuracy figure
     (fp64 references of whole sequences): taken from the accuracy harness's results
@@ -230,7 +225,7 @@ def _compensation_error_removed() -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    from benchmarks.stats import max_spread
+    from benchmarks.stats import geomean, max_spread
     ok = _ok(rows)
 
     def ms(impl, recipe, shape, comp=None):
@@ -250,12 +245,12 @@ def summarize(rows: list[dict]) -> dict:
 
     on = [ms("mpfa", "qk4pv8", n, True) for n, _ in SHAPES]
     off = [ms("mpfa", "qk4pv8", n, False) for n, _ in SHAPES]
-    overhead = _geomean([a / b for a, b in zip(on, off) if a and b])
+    overhead = geomean([a / b for a, b in zip(on, off) if a and b])
     return {
         "fp8_mma_tflops": _fp8_tflops(rows),
-        "speedup_vs_flashinfer_fa3_fp8": {r: _geomean(speedups(r, "flashinfer", "fa3-fp8")) for r in ("qk4pv8", "qk8pv8")},
-        "speedup_vs_cudnn_bf16": {r: _geomean(speedups(r, "cudnn", "cudnn-bf16")) for r in ("qk4pv8", "qk8pv8")},
-        "bf16_speedup_vs_flashinfer_fa3_bf16": _geomean(speedups("bf16", "flashinfer", "fa3-bf16")),
+        "speedup_vs_flashinfer_fa3_fp8": {r: geomean(speedups(r, "flashinfer", "fa3-fp8")) for r in ("qk4pv8", "qk8pv8")},
+        "speedup_vs_cudnn_bf16": {r: geomean(speedups(r, "cudnn", "cudnn-bf16")) for r in ("qk4pv8", "qk8pv8")},
+        "bf16_speedup_vs_flashinfer_fa3_bf16": geomean(speedups("bf16", "flashinfer", "fa3-bf16")),
         "compensation_overhead": overhead - 1 if overhead else None,
         **_compensation_error_removed(),
         "max_spread": max_spread(rows),
