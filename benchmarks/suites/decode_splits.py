@@ -96,6 +96,7 @@ def run_case(case: dict, ctx) -> dict:
     layer = cache.layer(0)
     timing = ctx.bench(lambda: w.run(q, layer, out=out))
     return {**case, "status": "ok", "num_splits": w.num_splits, "bytes_per_token_head": cache.bytes_per_token_head,
+            "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
             "resident_ctas": resident_ctas(r, _decode.HEAD_DIM, PAGE, _decode.QO_HEADS // _decode.KV_HEADS, 0),
             "bytes": _decode.read_bytes(b, c, cache.bytes_per_token_head), **timing.as_row()}
 
@@ -119,10 +120,27 @@ def readme_rows(rows: list[dict]) -> list[dict]:
             or id(r) in best]
 
 
+H200_SMS = 132   # rows measured before num_sms was recorded ran on the H200 (every results file here is *_h200)
+
+
+def rule_replay(recipe: str, batch: int, context: int, group: list[dict]) -> dict[str, int]:
+    """The split counts this checkout's rules give a shape: the adaptive plan's (``choose_num_splits``) and
+    the SGLang backend's (``server_decode_splits``: its split size cuts every request of ``context`` tokens
+    into this many splits; the rest of its grid, past the last split, exits at once)."""
+    from mpfa.decode import TILE, choose_num_splits, server_decode_splits
+    sms, resident = group[0].get("num_sms", H200_SMS), group[0]["resident_ctas"]
+    size, _ = server_decode_splits(_decode.KV_HEADS, batch, context, _decode.SERVER_CONTEXT, sms, resident_ctas=resident)
+    tiles, per = -(-context // TILE), size // TILE
+    return {"adaptive": choose_num_splits(batch, _decode.KV_HEADS, context, sms, resident_ctas=resident),
+            "server": -(-tiles // per)}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per (recipe, batch x context): the adaptive and the server plan's split count and time over the best
-    forced count's time (1.0: the rule found the best count)."""
-    from benchmarks.stats import max_spread
+    forced count's time (1.0: the rule found the best count); and the rules of this checkout replayed on the
+    run (``rule_*``: the time measured at the count they give now, None where no row timed that count), so
+    a rule change is judged on the sweep that motivated it before a GPU run measures it directly."""
+    from benchmarks.stats import geomean, max_spread
     shapes = {}
     for (recipe, b, c), (group, best) in _by_shape(rows).items():
         if best is None:
@@ -133,9 +151,16 @@ def summarize(rows: list[dict]) -> dict:
             if mine:
                 entry[f"{plan}_splits"] = mine["num_splits"]
                 entry[f"{plan}_over_best"] = mine["ms"] / best["ms"]
+        timed = {r["num_splits"]: r["ms"] for r in group if r["plan"] != "server"}   # grid = count there
+        for plan, count in rule_replay(recipe, b, c, group).items():
+            entry[f"rule_{plan}_splits"] = count
+            entry[f"rule_{plan}_over_best"] = timed[count] / best["ms"] if count in timed else None
         shapes[f"{recipe}/{b}x{c}"] = entry
-    worst = {plan: max((e[f"{plan}_over_best"] for e in shapes.values() if f"{plan}_over_best" in e), default=None)
-             for plan in ("adaptive", "server")}
-    return {"by_shape": shapes, "adaptive_over_best_worst": worst["adaptive"], "server_over_best_worst": worst["server"],
-            "max_spread": max_spread(rows), "errors": sum(1 for r in rows if r.get("status") == "error"),
+    out = {"by_shape": shapes}
+    for key in ("adaptive", "server", "rule_adaptive", "rule_server"):
+        ratios = [e.get(f"{key}_over_best") for e in shapes.values()]
+        out[f"{key}_over_best_worst"] = max((x for x in ratios if x), default=None)
+        out[f"{key}_over_best_geomean"] = geomean(ratios)
+    out["rule_counts_untimed"] = sum(e[f"rule_{p}_over_best"] is None for e in shapes.values() for p in ("adaptive", "server"))
+    return {**out, "max_spread": max_spread(rows), "errors": sum(1 for r in rows if r.get("status") == "error"),
             "skipped": sum(1 for r in rows if r.get("status") == "skipped")}

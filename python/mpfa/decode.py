@@ -7,7 +7,7 @@
 Decode does not smooth Q (one token: Q - mu_Q would be 0); Q stays bf16 against the dequantized cache.
 
 Kernel path (sm_90a, templates/decode.cu.jinja): split-KV with a merge kernel. ``plan`` validates,
-chooses the number of KV splits (adaptive: enough CTAs for ~2 per SM, each split at least
+chooses the number of KV splits (adaptive: whole waves of the CTAs an SM holds, each split at least
 ``MIN_TOKENS_PER_SPLIT`` tokens), copies the page table into capture-stable int32 buffers and
 builds/loads the kernel. ``run`` only launches: the grid is fixed by the plan and the kernel reads
 lengths and pages from those buffers, so a CUDA graph captured around ``run`` replays correctly
@@ -39,37 +39,40 @@ MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 ti
 MAX_SPLITS = 128
 
 
+FILL = 0.85                    # the smallest grid considered holds this share of one wave of resident CTAs
+
+
+def wave_efficiency(ctas: int, slots: int) -> float:
+    """Share of the machine the last wave keeps busy on average: ``ctas`` CTAs over waves of ``slots``."""
+    return ctas / (slots * -(-ctas // slots))
+
+
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, *,
                       ctas_per_sm: int | None = None, max_splits: int = MAX_SPLITS,
                       resident_ctas: int | None = None) -> int:
-    """Adaptive partitioning: split each request's KV when batch_size * num_kv_heads CTAs cannot
-    keep ``ctas_per_sm`` CTAs on every SM. Among split counts from the smallest that fills the
-    machine to twice that, take the one with the best SM balance (CTAs / (SMs * ceil(CTAs / SMs))),
-    never cutting a request into splits shorter than MIN_TOKENS_PER_SPLIT, and with no split
-    left empty by the kernel's ceil-division of tiles.
+    """Adaptive partitioning by waves: the GPU runs ``slots = num_sms * per_sm`` CTAs of the kernel at once
+    (``per_sm``: ``ctas_per_sm`` if given, else ``resident_ctas``, the CTAs one SM holds, else 2). Of the
+    split counts from the smallest whose grid fills FILL of one wave to twice that, take the best wave
+    efficiency (``wave_efficiency``, to 0.01; ties to fewer splits), never cutting a request into splits
+    shorter than MIN_TOKENS_PER_SPLIT, and with no split left empty by the kernel's ceil-division of tiles.
 
-    ``ctas_per_sm`` defaults to 4 when the batch's (request, KV head) pairs are at most an eighth of
-    the SMs (1 x 128K, 8 KV heads: 0.102 -> 0.092 ms on the H200, benchmarks/NOTES.md) and 2 otherwise
-    (4 made 8 x 128K 10% and 32 x 32K 6% slower), never more than ``resident_ctas``, the CTAs of the
-    kernel one SM holds at once (bf16 head_dim 128 holds 2: 64 splits at 1 x 128K ran it in two waves,
-    0.144 -> 0.170 ms)."""
+    Why waves: decode is bandwidth-bound once most slots are busy, and a grid of 1.06 waves leaves a tail
+    wave of a few CTAs that cannot draw the bandwidth (qk4pv8 14 x 128K: 5 splits 1.29x the best count, 4 or
+    8 splits 1.00-1.02x; benchmarks/results/decode_splits_h200.json). The rule this replaced balanced CTAs
+    over SMs at 2 per SM and ranked 1.39x the best count at bf16 14 x 128K (NOTES, "decode split count")."""
     ctas = batch_size * num_kv_heads
-    if ctas_per_sm is None:
-        ctas_per_sm = 4 if 8 * ctas <= num_sms else 2
-        if resident_ctas:
-            ctas_per_sm = max(1, min(ctas_per_sm, resident_ctas))
+    per_sm = ctas_per_sm if ctas_per_sm is not None else (resident_ctas or 2)
+    slots = num_sms * max(1, per_sm)
     tiles = -(-max_kv_len // TILE)
     if ctas <= 0 or tiles <= 1:
         return 1
     cap = max(1, min(max_splits, tiles * TILE // MIN_TOKENS_PER_SPLIT))
-    s_min = max(1, -(-ctas_per_sm * num_sms // ctas))
+    s_min = max(1, math.ceil(FILL * slots / ctas))
     if s_min >= cap:
         best = cap
     else:
-        def balance(s):
-            n = ctas * s
-            return n / (num_sms * -(-n // num_sms))
-        best = max(range(s_min, min(cap, 2 * s_min) + 1), key=lambda s: (round(balance(s), 3), -s))
+        best = max(range(s_min, min(cap, 2 * s_min) + 1),
+                   key=lambda s: (round(wave_efficiency(ctas * s, slots), 2), -s))
     per_split = -(-tiles // best)
     return -(-tiles // per_split)   # the kernel's split count that leaves no split empty
 
