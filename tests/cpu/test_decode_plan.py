@@ -317,3 +317,30 @@ def test_split_sweep_cases_and_summary():
                  "rule_server_splits": 4, "rule_server_over_best": pytest.approx(1.1)}
     assert summary["rule_counts_untimed"] == 1 and summary["rule_server_over_best_geomean"] == pytest.approx(1.1)
     assert [(r["plan"], r["num_splits"]) for r in ds.readme_rows(rows)] == [("adaptive", 3), ("server", 4), ("forced", 8)]
+
+
+def test_decode_suite_accuracy_check_against_fp64():
+    # The decode suite's per-row check on the reference backend (CPU): the float32 reference is within
+    # 1e-5 of fp64, a perturbed output is not, and a NaN (an unwritten element) is infinite.
+    from benchmarks.suites import decode as suite
+    import mpfa
+    gen = torch.Generator().manual_seed(0)
+    batch, context, page = 3, 80, 16
+    num_pages, indptr, indices, last = suite._page_table(batch, context, page, "cpu", gen)
+    cache = mpfa.PagedKVCache("qk4pv8", num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=8,
+                              head_dim=128, device="cpu")
+    k = torch.randn(cache.num_slots, 8, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(cache.num_slots, 8, 128, generator=gen).to(torch.bfloat16)
+    cache.calibrate(0, k, v)
+    layer = cache.layer(0)
+    mpfa.append_kv(k, v, layer, torch.arange(cache.num_slots), backend="reference")
+    w = mpfa.BatchDecodeWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="reference")
+    w.plan(indptr, indices, last, 32, 8, 128, page, recipe="qk4pv8")
+    q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16)
+    out = w.run(q, layer)
+    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, context, out) < 5e-3
+    worse = out.clone()
+    worse[1] += 0.05 * worse[1].abs().max()
+    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, context, worse) > 5e-3
+    worse[2, 0, 0] = float("nan")
+    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, context, worse) == float("inf")
