@@ -101,19 +101,27 @@ def read_bytes(batch: int, context: int, bytes_per_token_head: int) -> int:
     return batch * context * KV_HEADS * bytes_per_token_head + 2 * batch * QO_HEADS * HEAD_DIM * 2
 
 
+def mpfa_inputs(recipe: str, batch: int, context: int, page_size: int, gen):
+    """An mpfa decode call's inputs: a filled cache (pages in random order), its page table
+    ``(indptr, indices, last_page_len)`` and bf16 queries (shared with the decode_splits suite)."""
+    import torch
+    import mpfa
+    num_pages, indptr, indices, last = _page_table(batch, context, page_size, "cuda", gen)
+    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=KV_HEADS,
+                              head_dim=HEAD_DIM, device="cuda")
+    _fill_mpfa(cache, gen)
+    q = torch.randn(batch, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    return cache, (indptr, indices, last), q
+
+
 def _mpfa(case, ctx, gen):
     import torch
     import mpfa
     b, c, p = case["batch"], case["context"], case["page_size"]
-    num_pages, indptr, indices, last = _page_table(b, c, p, "cuda", gen)
-    cache = mpfa.PagedKVCache(case["recipe"], num_layers=1, num_pages=num_pages, page_size=p, num_kv_heads=KV_HEADS,
-                              head_dim=HEAD_DIM, device="cuda")
-    _fill_mpfa(cache, gen)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    w = mpfa.BatchDecodeWrapper(ws)
+    cache, (indptr, indices, last), q = mpfa_inputs(case["recipe"], b, c, p, gen)
+    w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     splits = server_splits(case["recipe"], b, c, p) if case["impl"] == "mpfa-graph" else {}
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
-    q = torch.randn(b, QO_HEADS, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(q)
     layer = cache.layer(0)
     timing = ctx.bench(lambda: w.run(q, layer, out=out))

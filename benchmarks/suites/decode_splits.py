@@ -67,18 +67,12 @@ _built: dict = {}   # the last (recipe, batch, context)'s cache, page table and 
 
 def _setup(case, seed):
     import torch
-    import mpfa
     key = (case["recipe"], case["batch"], case["context"])
     if key not in _built:
         _built.clear()
         torch.cuda.empty_cache()
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        num_pages, indptr, indices, last = _decode._page_table(case["batch"], case["context"], PAGE, "cuda", gen)
-        cache = mpfa.PagedKVCache(case["recipe"], num_layers=1, num_pages=num_pages, page_size=PAGE,
-                                  num_kv_heads=_decode.KV_HEADS, head_dim=_decode.HEAD_DIM, device="cuda")
-        _decode._fill_mpfa(cache, gen)
-        q = torch.randn(case["batch"], _decode.QO_HEADS, _decode.HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
-        _built[key] = (cache, (indptr, indices, last), q)
+        _built[key] = _decode.mpfa_inputs(*key, PAGE, gen)
     return _built[key]
 
 
@@ -120,15 +114,12 @@ def readme_rows(rows: list[dict]) -> list[dict]:
             or id(r) in best]
 
 
-H200_SMS = 132   # rows measured before num_sms was recorded ran on the H200 (every results file here is *_h200)
-
-
 def rule_replay(recipe: str, batch: int, context: int, group: list[dict]) -> dict[str, int]:
     """The split counts this checkout's rules give a shape: the adaptive plan's (``choose_num_splits``) and
     the SGLang backend's (``server_decode_splits``: its split size cuts every request of ``context`` tokens
     into this many splits; the rest of its grid, past the last split, exits at once)."""
     from mpfa.decode import TILE, choose_num_splits, server_decode_splits
-    sms, resident = group[0].get("num_sms", H200_SMS), group[0]["resident_ctas"]
+    sms, resident = group[0]["num_sms"], group[0]["resident_ctas"]
     size, _ = server_decode_splits(_decode.KV_HEADS, batch, context, _decode.SERVER_CONTEXT, sms, resident_ctas=resident)
     tiles, per = -(-context // TILE), size // TILE
     return {"adaptive": choose_num_splits(batch, _decode.KV_HEADS, context, sms, resident_ctas=resident),

@@ -37,8 +37,6 @@ from .validation import check_tensor, check_workspace, check_workspace_tensor
 TILE = 64                      # tokens per pipeline stage of the kernel; splits are whole tiles
 MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 tiles)
 MAX_SPLITS = 128
-
-
 FILL = 0.85                    # the smallest grid considered holds this share of one wave of resident CTAs
 
 
