@@ -5,7 +5,7 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (templates/prefill.cu.jinja: ``pingpong``, ``stages``,
-``poly_every``, ``persistent``); the default build is always the first variant and the reference for the
+``poly_every``, ``persistent``, ``fac_vec``); the default build is always the first variant and the reference for the
 output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
 that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, compensation on for the quantized recipes). Rows go to ``--out`` (default
@@ -22,7 +22,8 @@ from pathlib import Path
 from benchmarks import results_io
 from benchmarks.suites import prefill as suite
 
-KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1)}
+KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
+         "fac_vec": (0, 1)}
 
 
 def parse_variant(text: str) -> dict:
@@ -89,7 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
     ap.add_argument("--variants", nargs="+", default=["poly_every=8", "poly_every=4", "poly_every=2", "persistent=1"])
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR / "studies"))
+    ap.add_argument("--name", default="prefill_variants_h200",
+                    help="results file name under --out, without .json (one file per study; default %(default)s)")
     args = ap.parse_args(argv)
+    if not args.name or "/" in args.name or args.name.endswith(".json"):
+        ap.error(f"--name: a file name without folder or .json, got {args.name!r}")
     try:
         variants = [{}] + [parse_variant(v) for v in args.variants]
     except ValueError as e:
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
 
     def keep(row):
         rows.append(row)
-        results_io.write("prefill_variants_h200", meta, {"variants": len(variants), "rows": len(rows)}, rows,
+        results_io.write(args.name, meta, {"variants": len(variants), "rows": len(rows)}, rows,
                          Path(args.out))
     for shape in shapes:
         for r in recipes:
