@@ -41,6 +41,11 @@ def check_vector_rows(name: str, t: torch.Tensor) -> None:
 
 def check_workspace_tensor(workspace_buffer) -> None:
     check_tensor("workspace_buffer", workspace_buffer, dtypes=(torch.uint8,), ndim=1)
+    # The kernels read and write the workspace with 16-byte vectors and bulk copies (cp.async.bulk needs 16-byte
+    # aligned global addresses); a fresh torch allocation is 256-byte aligned, a slice at an odd offset is not.
+    if workspace_buffer.data_ptr() % 16:
+        raise ValueError(f"workspace_buffer must start at a 16-byte aligned address (got one at {workspace_buffer.data_ptr() % 16} "
+                         "bytes past it): pass a fresh torch.empty(..., dtype=torch.uint8) or a slice at a multiple of 16")
 
 
 def check_workspace(workspace_buffer: torch.Tensor, device: torch.device, need: int, plan: str) -> None:

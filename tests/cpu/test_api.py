@@ -570,6 +570,10 @@ def test_workspace_checked(wrapper):
         wrapper(torch.empty(16, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"workspace_buffer must have 1 dimensions"):
         wrapper(torch.empty(4, 4, dtype=torch.uint8))
+    buf = torch.empty(1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"workspace_buffer must start at a 16-byte aligned address \(got one at 1 bytes"):
+        wrapper(buf[1:])
+    wrapper(buf[16:])   # a slice at a multiple of 16 is accepted
 
 
 @pytest.mark.parametrize("plan", [_prefill_plan, _decode_plan])
