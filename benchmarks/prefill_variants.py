@@ -5,7 +5,7 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (templates/prefill.cu.jinja: ``pingpong``, ``stages``,
-``poly_every``, ``persistent``, ``fac_vec``, ``fa_pre``); the default build is always the first variant and the reference for the
+``poly_every``, ``persistent``, ``fac_vec``); the default build is always the first variant and the reference for the
 output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
 that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, compensation on for the quantized recipes). Rows go to ``--out`` (default
@@ -23,7 +23,7 @@ from benchmarks import results_io
 from benchmarks.suites import prefill as suite
 
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1), "fa_pre": (0, 1)}
+         "fac_vec": (0, 1)}
 
 
 def parse_variant(text: str) -> dict:
