@@ -3,8 +3,9 @@
 Every per-token field has shape ``[num_layers, num_pages, num_kv_heads, page_size, ...]``: pages are
 "HND", one page of one KV head is contiguous (a page of FP8 V at page size 16 and head_dim 128 is one
 2 KiB run). Slot ``s`` is token ``s % page_size`` of page ``s // page_size``. V is stored token-major
-like K: the prefill kernel transposes V tiles in shared memory for the FP8 PV MMA, so every page size
-(1 included) keeps 16-byte vector appends and the decode kernel reads whole pages.
+like K: the prefill's pre-pass (kv_pack, templates/prefill.cu.jinja) transposes each 128-key V tile once
+into an MMA-ready V^T image for the FP8 PV MMA, so every page size (1 included) keeps 16-byte vector
+appends and the decode kernel reads whole pages.
 
 Fixed per (layer, KV head), for the whole server (so cached prefix pages stay shareable):
 ``mu_k [num_kv_heads, head_dim]`` (K smoothing, quantized K only; 0 until calibrated) and
