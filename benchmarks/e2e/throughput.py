@@ -83,11 +83,15 @@ def model_config(model: str) -> dict:
     return json.loads((MODELS[model] / "config.json").read_text())
 
 
+def _head_dim(c: dict) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
 def weight_bytes(model: str) -> int:
     """BF16 bytes of a decoder's weights from its config.json (embeddings, attention, gated MLP, head)."""
     c = model_config(model)
     h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
-    d = c.get("head_dim") or h // c["num_attention_heads"]
+    d = _head_dim(c)
     attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
     params = layers * (attn + 3 * h * inter) + vocab * h * (1 if c.get("tie_word_embeddings") else 2)
     return 2 * params
@@ -96,8 +100,7 @@ def weight_bytes(model: str) -> int:
 def bf16_kv_bytes_per_token(model: str) -> int:
     """Bytes of a BF16 KV cache per token, all layers and KV heads."""
     c = model_config(model)
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return c["num_hidden_layers"] * c["num_key_value_heads"] * 2 * 2 * head_dim
+    return c["num_hidden_layers"] * c["num_key_value_heads"] * 2 * 2 * _head_dim(c)
 
 
 def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, int]:
