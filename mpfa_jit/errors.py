@@ -21,5 +21,9 @@ class BuildError(MpfaJitError):
     """nvcc or ninja failed; the message carries the end of the compiler's log."""
 
 
+class KernelAbiError(MpfaJitError):
+    """A built library's params struct differs from the ctypes mirror of its op module."""
+
+
 class KernelLaunchError(MpfaJitError):
     """A compiled kernel returned a CUDA error."""

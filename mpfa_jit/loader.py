@@ -10,6 +10,7 @@ import ctypes
 import threading
 from pathlib import Path
 
+from .abi import check_params
 from .errors import KernelLaunchError
 
 _lock = threading.Lock()
@@ -39,6 +40,12 @@ class KernelModule:
                                         f"{err(code).decode(errors='replace')}")
         call.__name__ = symbol
         return call
+
+    def params_fn(self, symbol: str, layout_symbol: str, struct: type[ctypes.Structure]) -> "callable":
+        """Bind an entry point ``int symbol(const Struct* params, int device, void* stream)`` after checking the
+        library's struct against ``struct`` (mpfa_jit.abi); call it as ``f(params, device, stream)``."""
+        check_params(self._lib, layout_symbol, struct, self.key)
+        return self.fn(symbol, [ctypes.POINTER(struct), ctypes.c_int, ctypes.c_void_p])
 
     def __repr__(self) -> str:
         return f"KernelModule({self.key!r}, {str(self.path)!r})"

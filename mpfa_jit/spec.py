@@ -23,11 +23,15 @@ class KernelSpec:
     params: tuple[tuple[str, object], ...]   # (name, value) pairs, sorted by name
     arch: str                                # e.g. "sm_90a"
     symbols: tuple[str, ...] = field(default=(), compare=False)  # C entry points the library exports
+    # Values the template renders that follow from ``params`` (e.g. the recipe's cache field widths): not part
+    # of the key, but part of the rendered source and so of the URI's hash.
+    context: tuple[tuple[str, object], ...] = field(default=(), compare=False)
 
     @staticmethod
-    def make(op: str, template: str, params: dict, arch: str, symbols=()) -> "KernelSpec":
+    def make(op: str, template: str, params: dict, arch: str, symbols=(), context: dict | None = None) -> "KernelSpec":
         env.check_arch(arch)
-        return KernelSpec(op, template, tuple(sorted(params.items())), arch, tuple(symbols))
+        return KernelSpec(op, template, tuple(sorted(params.items())), arch, tuple(symbols),
+                          tuple(sorted((context or {}).items())))
 
     @property
     def key(self) -> str:
@@ -36,7 +40,7 @@ class KernelSpec:
         return "_".join(parts)
 
     def render(self) -> str:
-        return render(self.template, dict(self.params, arch=self.arch))
+        return render(self.template, dict(self.params, arch=self.arch, **dict(self.context)))
 
     def nvcc_flags(self) -> list[str]:
         return [

@@ -1,0 +1,21 @@
+"""The cache layout a kernel specialization compiles against, from the one definition of it: the Field
+table of ``mpfa.recipes`` (python/mpfa/recipes/recipe.py). Rendered into every kernel template as
+``cache_fields`` and checked there against ``mpfa::CacheLayout`` (templates/cache_layout_check.jinja)."""
+from __future__ import annotations
+
+
+def cache_fields(recipe: str, head_dim: int) -> tuple[tuple[str, int], ...]:
+    """(field name, bytes per token and KV head) of ``recipe``'s cache at ``head_dim``, in the table's order."""
+    from mpfa.recipes.recipe import get_recipe   # imported here: mpfa imports mpfa_jit at module level
+
+    return tuple((f.name, f.numel(head_dim) * f.itemsize()) for f in get_recipe(recipe).fields)
+
+
+def recipe_enum(recipe: str) -> str:
+    """The ``mpfa::Recipe`` enumerator of a recipe name (templates/include/mpfa/cache_layout.cuh)."""
+    return {"bf16": "kBf16", "qk8pv8": "kQk8pv8", "qk4pv8": "kQk4pv8"}[recipe]
+
+
+def layout_context(recipe: str, head_dim: int) -> dict:
+    """The render context every kernel template's cache-layout check needs."""
+    return {"cache_fields": cache_fields(recipe, head_dim), "recipe_enum": recipe_enum(recipe)}
