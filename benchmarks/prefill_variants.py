@@ -4,8 +4,8 @@ the main kernel, timed with the suites' timer, and compared with the default var
     python -m benchmarks.prefill_variants --shapes 16K,32K --recipes qk4pv8,qk8pv8 \\
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
-Knobs are the template's study parameters (templates/prefill.cu.jinja: ``pingpong``, ``stages``,
-``poly_every``, ``persistent``, ``fac_vec``); the default build is always the first variant and the reference for the
+Knobs are the template's study parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
+``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``); the default build is always the first variant and the reference for the
 output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
 that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, compensation on for the quantized recipes). Rows go to ``--out`` (default
@@ -21,9 +21,7 @@ from pathlib import Path
 
 from benchmarks import results_io
 from benchmarks.suites import prefill as suite
-
-KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1)}
+from mpfa_jit.ops.prefill import KNOBS
 
 
 def parse_variant(text: str) -> dict:
@@ -45,14 +43,13 @@ def parse_variant(text: str) -> dict:
 
 def build(recipe: str, variants: list[dict]) -> list:
     """The main-kernel entry point of each variant (built in parallel; the default first)."""
+    from mpfa.prefill import bind
     from mpfa_jit import get_kernel
     from mpfa_jit.ops import prefill as op
-    from mpfa_jit.spec import KernelSpec
-    base = {"recipe": recipe, "head_dim": suite.HEAD_DIM, "page_size": suite.PAGE}
-    specs = [KernelSpec.make(op.OP, op.TEMPLATE, {**base, **v}, "sm_90a", symbols=(op.SYMBOL, op.SMEM_SYMBOL))
+    specs = [op.spec(recipe=recipe, head_dim=suite.HEAD_DIM, page_size=suite.PAGE, arch="sm_90a", knobs=v)
              for v in variants]
     with ThreadPoolExecutor(8) as ex:
-        return list(ex.map(lambda s: get_kernel(s).fn(op.SYMBOL, op.ARGTYPES), specs))
+        return list(ex.map(lambda s: bind(get_kernel(s)), specs))
 
 
 def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None) -> list[dict]:
@@ -65,7 +62,7 @@ def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lam
     w, q, layer = suite.mpfa_setup(case, torch.Generator(device="cuda").manual_seed(seed))
     rows, ref = [], None
     for variant, fn in zip(variants, fns):
-        w._plan["fn"] = fn   # same plan and workspace; only the main kernel differs
+        w._plan.kernel.fn = fn   # same plan and workspace; only the main kernel differs
         out = torch.full_like(q, float("nan"))
         w.run(q, layer, out=out)
         torch.cuda.synchronize()

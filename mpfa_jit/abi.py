@@ -1,7 +1,7 @@
 """The kernel ABI check: a library's params struct against its ctypes mirror.
 
 Each op's entry point takes a pointer to one params struct (templates/include/mpfa/abi.cuh). The
-library exports ``"<sizeof> name@offset ..."`` for it; :func:`describe` builds the same text from the
+library exports ``"<sizeof> name@offset:size ..."`` for it; :func:`describe` builds the same text from the
 ``ctypes.Structure`` in ``mpfa_jit/ops/<op>.py``, and :func:`check_params` refuses a library whose
 struct differs, before any call can pass misplaced pointers.
 """
@@ -13,7 +13,8 @@ from .errors import KernelAbiError
 
 
 def describe(struct: type[ctypes.Structure]) -> str:
-    fields = " ".join(f"{name}@{getattr(struct, name).offset}" for name, *_ in struct._fields_)
+    fields = " ".join(f"{name}@{getattr(struct, name).offset}:{getattr(struct, name).size}"
+                      for name, *_ in struct._fields_)
     return f"{ctypes.sizeof(struct)} {fields}".strip()
 
 

@@ -1,34 +1,50 @@
-"""Specs of the KV append/quantize kernel (templates/append_kv.cu.jinja)."""
+"""Specs of the KV append/quantize kernel (templates/append_kv.cu.jinja).
+
+The library's entry point takes one ``AppendParams`` (templates/include/mpfa/append/params.cuh), mirrored
+here by :class:`AppendParams` and checked against the library's own layout when it is loaded."""
 from __future__ import annotations
 
 import ctypes
 
 from ..spec import KernelSpec
+from .layout import layout_context
+from .support import ALL_RECIPES, check
 
 OP = "append_kv"
 TEMPLATE = "append_kv.cu.jinja"
-SYMBOL = "mpfa_append_kv"
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+SYMBOL = "mpfa_append_kv"                        # int (const AppendParams*, int device, void* stream)
+PARAMS_LAYOUT_SYMBOL = "mpfa_append_params_layout"
+# What the kernel, and so the cache (mpfa.PagedKVCache), is built for.
+RECIPES = ALL_RECIPES
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (1, 16, 32, 64)
 
-_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# k, v, k/v strides (token, head), slots, num_tokens, num_kv_heads, k_data, k8_data (qk4pv8's E4M3 half),
-# k_block_scale, k_scale, v_data, mu_k, v_scale, device, stream
-ARGTYPES = [_p, _p, _i64, _i64, _i64, _i64, _p, _i64, _i32, _p, _p, _p, _p, _p, _p, _p, _i32, _p]
+
+class AppendParams(ctypes.Structure):
+    """Mirror of templates/include/mpfa/append/params.cuh (field meanings there); pointers are device
+    addresses, null where the recipe has no such field."""
+    _fields_ = [
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("k_stride_token", ctypes.c_int64), ("k_stride_head", ctypes.c_int64),
+        ("v_stride_token", ctypes.c_int64), ("v_stride_head", ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("num_tokens", ctypes.c_int64), ("num_slots", ctypes.c_int64),
+        ("bad_slots", ctypes.c_void_p),
+        ("k_data", ctypes.c_void_p), ("k8_data", ctypes.c_void_p), ("k_block_scale", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
+        ("mu_k", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("num_kv_heads", ctypes.c_int),
+    ]
 
 
-def _check(name, value, accepted):
-    if value not in accepted:
-        raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")
+def supported(*, recipe: str, head_dim: int, page_size: int) -> bool:
+    return recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES
 
 
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str) -> KernelSpec:
-    _check("recipe", recipe, RECIPES)
-    _check("head_dim", head_dim, HEAD_DIMS)
-    _check("page_size", page_size, PAGE_SIZES)
+    check("KV append", dict(recipe=recipe, head_dim=head_dim, page_size=page_size),
+          dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES))
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size},
-                           arch, symbols=(SYMBOL,))
+                           arch, symbols=(SYMBOL, PARAMS_LAYOUT_SYMBOL), context=layout_context(recipe, head_dim))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,

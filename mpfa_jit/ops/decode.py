@@ -1,45 +1,63 @@
-"""Specs of the batch-decode kernel (templates/decode.cu.jinja): split-KV paged decode + merge."""
+"""Specs of the batch-decode kernel (templates/decode.cu.jinja): split-KV paged decode + merge.
+
+The library's entry point takes one ``DecodeParams`` (templates/include/mpfa/decode/params.cuh), mirrored
+here by :class:`DecodeParams` and checked against the library's own layout when it is loaded."""
 from __future__ import annotations
 
 import ctypes
 
-from ..errors import UnknownKernelError
 from ..spec import KernelSpec
+from .layout import layout_context
+from .support import ALL_RECIPES, check, gqa_group
 
 OP = "decode"
 TEMPLATE = "decode.cu.jinja"
-SYMBOL = "mpfa_decode"
+SYMBOL = "mpfa_decode"                          # int (const DecodeParams*, int device, void* stream)
+PARAMS_LAYOUT_SYMBOL = "mpfa_decode_params_layout"
 SMEM_SYMBOL = "mpfa_decode_smem_bytes"
 RESIDENT_SYMBOL = "mpfa_decode_resident_ctas"   # (device, int* ctas): CTAs per SM at once
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+RECIPES = ALL_RECIPES
 HEAD_DIMS = (64, 128)
 PAGE_SIZES = (1, 16, 32, 64)
-GROUP_SIZES = tuple(range(1, 9))
+GROUP_SIZES = tuple(range(1, 9))   # num_qo_heads / num_kv_heads: one specialization each
 
-_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# q, q strides (request, head), k, k8 (qk4pv8), k_block_scale, k_scale, v, v_scale, indptr, indices, last_page_len,
-# batch, num_kv_heads, num_splits, tiles_per_split (device int*), sm_scale, o_part, lse_part, out, out strides, lse, device, stream
-ARGTYPES = [_p, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _i32, _i32, _i32, _p, _f32, _p, _p, _p, _i64, _i64,
-            _p, _i32, _p]
+# The kernel's tile: kWarps warps per CTA, 16 tokens of each tile apiece (rendered into the template);
+# KV splits are whole tiles.
+WARPS = 4
+TILE = 16 * WARPS
+
+
+class DecodeParams(ctypes.Structure):
+    """Mirror of templates/include/mpfa/decode/params.cuh (field meanings there); pointers are device
+    addresses, null where the recipe has no such field."""
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride_b", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("k8", ctypes.c_void_p), ("k_block_scale", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("v", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("indptr", ctypes.c_void_p), ("indices", ctypes.c_void_p), ("last_page_len", ctypes.c_void_p),
+        ("num_kv_heads", ctypes.c_int), ("num_splits", ctypes.c_int), ("batch", ctypes.c_int),
+        ("tiles_per_split", ctypes.c_void_p), ("score_scale", ctypes.c_float),
+        ("o_part", ctypes.c_void_p), ("lse_part", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("out_stride_b", ctypes.c_int64), ("out_stride_h", ctypes.c_int64),
+        ("lse", ctypes.c_void_p),
+    ]
 
 
 def supported(*, recipe: str, head_dim: int, page_size: int, group_size: int) -> bool:
-    return (recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES and group_size in GROUP_SIZES)
+    return recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES and group_size in GROUP_SIZES
 
 
 def spec(*, recipe: str, head_dim: int, page_size: int, group_size: int, arch: str) -> KernelSpec:
-    if not supported(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size):
-        raise UnknownKernelError(
-            f"no sm_90a decode kernel for recipe={recipe!r}, head_dim={head_dim}, page_size={page_size}, "
-            f"group_size={group_size}: built for recipes {list(RECIPES)}, head_dim {list(HEAD_DIMS)}, "
-            f"page_size {list(PAGE_SIZES)}, group_size (num_qo_heads / num_kv_heads) 1..8")
+    check("decode", dict(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size),
+          dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES, group_size=GROUP_SIZES))
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size,
-                                          "group_size": group_size}, arch, symbols=(SYMBOL, SMEM_SYMBOL))
+                                          "group_size": group_size}, arch,
+                           symbols=(SYMBOL, PARAMS_LAYOUT_SYMBOL, SMEM_SYMBOL, RESIDENT_SYMBOL),
+                           context=dict(layout_context(recipe, head_dim), warps=WARPS))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,
                  arch: str) -> list[KernelSpec]:
-    group = num_qo_heads // num_kv_heads
-    if not supported(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group):
-        return []   # the decode wrapper raises at plan for shapes without a kernel
-    return [spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group, arch=arch)]
+    """The one decode specialization a server of this shape runs; raises when there is none."""
+    return [spec(recipe=recipe, head_dim=head_dim, page_size=page_size,
+                 group_size=gqa_group(num_qo_heads, num_kv_heads), arch=arch)]

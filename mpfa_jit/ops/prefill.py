@@ -8,43 +8,82 @@ from __future__ import annotations
 
 import ctypes
 
-from ..errors import UnknownKernelError
 from ..spec import KernelSpec
+from .layout import layout_context
+from .support import ALL_RECIPES, check, gqa_group
 
 OP = "prefill"
 TEMPLATE = "prefill.cu.jinja"
 SYMBOL = "mpfa_prefill"
 SMEM_SYMBOL = "mpfa_prefill_smem_bytes"
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+RECIPES = ALL_RECIPES
 HEAD_DIMS = (64, 128)
 PAGE_SIZES = (1, 16, 32, 64)
 MAX_GROUP = 8   # tested range of num_qo_heads / num_kv_heads (the kernel itself takes any group)
+GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
+
+PARAMS_LAYOUT_SYMBOL = "mpfa_prefill_params_layout"
+
+# Tile sizes: rendered into the template (kBM, kBN, kMuRows) and used by the wrapper's schedule and workspace.
+Q_TILE = 128    # query rows per CTA and per FP8 Q scale
+KV_TILE = 128   # keys per K/V tile image
+MU_ROWS = 128   # query rows per block of the mu_Q partial sums
+# Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out
+# takes the template's default (the served build sets none).
+KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
+         "fac_vec": (0, 1)}
+
+
+def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
+    """Bytes of one KV tile's images per KV head: K (KV_TILE x head_dim MMA elements), V^T (the same) and the
+    per-key factor vector fa (quantized recipes; fb, per query head, has its size)."""
+    elt = 2 if recipe == "bf16" else 1
+    return {"k": KV_TILE * head_dim * elt, "v": KV_TILE * head_dim * elt, "fa": 0 if recipe == "bf16" else KV_TILE * 4}
+
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# q, q strides (token, head), k, k8 (qk4pv8), k_block_scale, k_scale, v, v_scale, qo_indptr, kv_indptr, indices,
-# last_page_len, kv_tile_base, tile_req, tile_q, kvt_req, kvt_idx, num_tiles, num_kv_tiles, batch,
-# num_qo_heads, num_kv_heads, causal, sm_scale, mu_blocks, mu_part, mu, k_img, v_img, fa, fb, out, out
-# strides, lse, device, stream
-ARGTYPES = ([_p, _i64, _i64] + [_p] * 15 + [_i32] * 6 + [_f32, _i32] + [_p] * 7 + [_i64, _i64, _p, _i32, _p])
+
+
+class PrefillParams(ctypes.Structure):
+    """Mirror of ``PrefillParams`` (templates/include/mpfa/prefill/params.cuh), field for field."""
+    _fields_ = [("q", _p), ("q_stride_t", _i64), ("q_stride_h", _i64),
+                ("k", _p), ("k8", _p), ("k_block_scale", _p), ("k_scale", _p), ("v", _p), ("v_scale", _p),
+                ("qo_indptr", _p), ("kv_indptr", _p), ("indices", _p), ("last_page_len", _p),
+                ("kv_tile_base", _p), ("tile_req", _p), ("tile_q", _p), ("kvt_req", _p), ("kvt_idx", _p),
+                ("num_tiles", _i32), ("num_kv_tiles", _i32), ("batch", _i32), ("num_qo_heads", _i32),
+                ("num_kv_heads", _i32), ("causal", _i32), ("sm_scale", _f32), ("mu_blocks", _i32),
+                ("mu_part", _p), ("mu", _p), ("k_img", _p), ("v_img", _p), ("fa", _p), ("fb", _p),
+                ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
+
+
+def render_context(recipe: str, head_dim: int) -> dict:
+    """What the template renders besides the key: the cache layout check and the tile sizes above."""
+    img = image_bytes(recipe, head_dim)
+    return dict(layout_context(recipe, head_dim), q_tile=Q_TILE, kv_tile=KV_TILE, mu_rows=MU_ROWS,
+                k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"])
 
 
 def supported(*, recipe: str, head_dim: int, page_size: int, group_size: int = 1) -> bool:
-    return (recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES
-            and 1 <= group_size <= MAX_GROUP)
+    return recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES and group_size in GROUP_SIZES
 
 
-def spec(*, recipe: str, head_dim: int, page_size: int, arch: str) -> KernelSpec:
-    if not supported(recipe=recipe, head_dim=head_dim, page_size=page_size):
-        raise UnknownKernelError(
-            f"no sm_90a batch-prefill kernel for recipe={recipe!r}, head_dim={head_dim}, page_size={page_size}: "
-            f"built for recipes {list(RECIPES)}, head_dim {list(HEAD_DIMS)}, page_size {list(PAGE_SIZES)}")
-    return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size}, arch,
-                           symbols=(SYMBOL, SMEM_SYMBOL))
+def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,
+         knobs: dict | None = None) -> KernelSpec:
+    """``group_size`` (num_qo_heads / num_kv_heads) is checked against the tested range, not part of the key.
+    ``knobs``: study knobs (KNOBS) for a variant build; they join the key."""
+    check("batch-prefill", dict(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size),
+          dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES, group_size=GROUP_SIZES))
+    knobs = dict(knobs or {})
+    for name, value in knobs.items():
+        if value not in KNOBS.get(name, ()):
+            raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
+    return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size, **knobs},
+                           arch, symbols=(SYMBOL, SMEM_SYMBOL, PARAMS_LAYOUT_SYMBOL),
+                           context=render_context(recipe, head_dim))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,
                  arch: str) -> list[KernelSpec]:
-    group = num_qo_heads // num_kv_heads
-    if not supported(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group):
-        return []   # the prefill wrapper raises at plan for shapes without a kernel
-    return [spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=arch)]
+    """The one prefill specialization a server of this shape runs; raises when there is none."""
+    return [spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=arch,
+                 group_size=gqa_group(num_qo_heads, num_kv_heads))]

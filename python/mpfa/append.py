@@ -1,6 +1,7 @@
 """Append new K/V rows to a layer of the paged cache, quantized to its recipe (fused kernel)."""
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -8,7 +9,7 @@ import torch
 from mpfa_jit import get_kernel
 from mpfa_jit.ops import append_kv as append_op
 
-from .backend import data_ptr as _ptr, device_index, kernel_arch, resolve
+from .dispatch import data_ptr as _ptr, device_index, kernel_arch, resolve
 from .kv_cache import KVCacheLayer
 from .reference.append import reference_append
 from .validation import check_tensor, check_vector_rows
@@ -17,7 +18,7 @@ from .validation import check_tensor, check_vector_rows
 @functools.lru_cache(maxsize=None)
 def _kernel(recipe: str, head_dim: int, page_size: int, arch: str):
     spec = append_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=arch)
-    return get_kernel(spec).fn(append_op.SYMBOL, append_op.ARGTYPES)
+    return get_kernel(spec).params_fn(append_op.SYMBOL, append_op.PARAMS_LAYOUT_SYMBOL, append_op.AppendParams)
 
 
 def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.Tensor, *,
@@ -28,6 +29,15 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
     (padding in captured CUDA graphs). Quantized recipes subtract the layer's mu_K, quantize K per
     token (FP8, or 4-bit with block scales) and V with the layer's fixed channel scales. Returns the
     backend that ran ('cuda' or 'reference'). Capturable in a CUDA graph when ``slots`` is int64.
+
+    Slots at or past ``kv.cache.num_slots``: the reference backend raises ValueError before writing
+    anything. The CUDA kernel reads slots on the GPU, so it cannot raise without a synchronization on
+    every call: it skips those rows (no other row, page or layer is written) and counts them in the
+    cache; :meth:`PagedKVCache.check_append_slots` raises for them.
+
+    Non-finite K/V: a K row (token, head) holding NaN or +-inf gets a NaN ``k_scale`` (the key reads
+    back as NaN, and attention propagates it); a NaN or infinite V element of an FP8 recipe is stored
+    as E4M3 NaN; bf16 fields keep the values as given.
     """
     if not isinstance(kv, KVCacheLayer):
         raise ValueError(f"kv must be a KVCacheLayer (PagedKVCache.layer(i)), got {type(kv).__name__}")
@@ -41,12 +51,15 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
         return ran
     check_vector_rows("k", k)
     check_vector_rows("v", v)
-    slots = slots if slots.dtype == torch.int64 else slots.long()
+    slots = (slots if slots.dtype == torch.int64 else slots.long()).contiguous()
     fn = _kernel(kv.recipe.name, kv.head_dim, kv.page_size, kernel_arch(kv.device))
     f = kv.fields
-    fn(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1), slots.contiguous().data_ptr(),
-       k.shape[0], kv.num_kv_heads, f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale")),
-       _ptr(f.get("k_scale")),
-       f["v"].data_ptr(), _ptr(kv.mu_k), _ptr(kv.v_scale), device_index(kv.device),
-       torch.cuda.current_stream(kv.device).cuda_stream)
+    params = append_op.AppendParams(
+        k=k.data_ptr(), v=v.data_ptr(), k_stride_token=k.stride(0), k_stride_head=k.stride(1),
+        v_stride_token=v.stride(0), v_stride_head=v.stride(1), slots=slots.data_ptr(), num_tokens=k.shape[0],
+        num_slots=kv.cache.num_slots, bad_slots=kv.cache.out_of_range_slots.data_ptr(),
+        k_data=f["k"].data_ptr(), k8_data=_ptr(f.get("k8")), k_block_scale=_ptr(f.get("k_block_scale")),
+        k_scale=_ptr(f.get("k_scale")), v_data=f["v"].data_ptr(), mu_k=_ptr(kv.mu_k), v_scale=_ptr(kv.v_scale),
+        num_kv_heads=kv.num_kv_heads)
+    fn(ctypes.byref(params), device_index(kv.device), torch.cuda.current_stream(kv.device).cuda_stream)
     return ran

@@ -24,17 +24,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from mpfa_jit import UnknownKernelError, get_kernel
+from mpfa_jit import get_kernel
 from mpfa_jit.ops import decode as decode_op
 
-from .backend import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve
-from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
-from .validation import check_tensor, check_workspace, check_workspace_tensor
+from .dispatch import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve, with_reference_hint
+from .paged_plan import PagedBatch, check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
+from .recipes import Recipe
+from .validation import check_sm_scale, check_tensor, check_workspace, check_workspace_tensor
 
-TILE = 64                      # tokens per pipeline stage of the kernel; splits are whole tiles
+TILE = decode_op.TILE          # tokens per pipeline stage of the kernel; splits are whole tiles
 MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 tiles)
 MAX_SPLITS = 128
 FILL = 0.85                    # the smallest grid considered holds this share of one wave of resident CTAs
@@ -133,8 +136,10 @@ def workspace_bytes(num_splits: int, batch_size: int, num_qo_heads: int, head_di
 
 @functools.lru_cache(maxsize=None)
 def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str):
+    """The library's ``mpfa_decode(const DecodeParams*, device, stream)``, its struct checked against
+    ``decode_op.DecodeParams`` at load."""
     spec = decode_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch)
-    return get_kernel(spec).fn(decode_op.SYMBOL, decode_op.ARGTYPES)
+    return get_kernel(spec).params_fn(decode_op.SYMBOL, decode_op.PARAMS_LAYOUT_SYMBOL, decode_op.DecodeParams)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,14 +158,68 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_LOG2E = ctypes.c_float(1.4426950408889634).value
+
+
+def score_scale(sm_scale: float) -> float:
+    """``sm_scale * log2(e)`` rounded as the kernel's float32 product: the product of two float32 values is
+    exact in a double, so one rounding to float32 (the ctypes field) gives the float32 product."""
+    return ctypes.c_float(sm_scale).value * _LOG2E
+
+
+@dataclass
+class _PageTable:
+    """Capture-stable int32 copies of the page table the kernel reads (the kernel path): a CUDA graph
+    captured around ``run`` keeps their addresses, and ``plan`` / ``update_page_table`` refill them."""
+    batch: int
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+    tiles_per_split: torch.Tensor   # one int: > 0 a fixed split size in tiles, 0 ceil(tiles / num_splits)
+
+    @classmethod
+    def allocate(cls, batch: int, num_indices: int, device: torch.device) -> "_PageTable":
+        return cls(batch, torch.empty(batch + 1, dtype=torch.int32, device=device),
+                   torch.zeros(max(1, num_indices), dtype=torch.int32, device=device),
+                   torch.empty(batch, dtype=torch.int32, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+
+    def fits(self, batch: int, num_indices: int, device: torch.device) -> bool:
+        return self.batch == batch and self.indices.numel() >= max(1, num_indices) and self.indices.device == device
+
+    def copy_from(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        """Copies on the current stream, no host synchronization."""
+        self.indptr.copy_(indptr, non_blocking=True)
+        self.indices[: indices.numel()].copy_(indices, non_blocking=True)
+        self.last_page_len.copy_(last_page_len, non_blocking=True)
+
+
+@dataclass
+class DecodePlan:
+    """What ``plan`` decided for one batch. The kernel-path fields are None on the reference path."""
+    paged: PagedBatch
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    recipe: Recipe
+    sm_scale: float
+    num_splits: int | None = None
+    device_index: int | None = None
+    launch: Callable | None = None          # the library's mpfa_decode (``_kernel``)
+    # The kernel's arguments with the plan's fields (page table, grid, split size, workspace) set; each
+    # run sets the query, cache layer and output fields and launches with it.
+    params: decode_op.DecodeParams | None = None
+
+
 class BatchDecodeWrapper:
     def __init__(self, workspace_buffer: torch.Tensor, *, backend: str = "auto"):
         check_workspace_tensor(workspace_buffer)
         self.workspace_buffer = workspace_buffer
         self.requested_backend = backend
         self.backend: str | None = None
-        self._plan = None
-        self._buffers = None   # capture-stable int32 page-table copies (kernel path)
+        self._plan: DecodePlan | None = None
+        self._buffers: _PageTable | None = None
 
     def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, *, sm_scale: float | None = None, recipe: str = "qk4pv8",
@@ -178,17 +237,12 @@ class BatchDecodeWrapper:
             raise ValueError(f"num_splits must be None (adaptive) or an int in [1, 65535], got {num_splits!r}")
         _check_split_size(fixed_split_size)
         self.backend = resolve(self.requested_backend, paged_kv_indices.device)
-        sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        plan = dict(paged=paged, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    page_size=page_size, recipe=recipe_, sm_scale=sm_scale)
+        sm_scale = check_sm_scale(sm_scale, head_dim)
+        plan = DecodePlan(paged, num_qo_heads, num_kv_heads, head_dim, page_size, recipe_, sm_scale)
         if self.backend == "cuda":
             group = num_qo_heads // num_kv_heads
-            if not decode_op.supported(recipe=recipe_.name, head_dim=head_dim, page_size=page_size, group_size=group):
-                raise UnknownKernelError(
-                    f"no sm_90a batch-decode kernel for recipe={recipe_.name}, head_dim={head_dim}, "
-                    f"page_size={page_size}, group size {group} (num_qo_heads / num_kv_heads): built for head_dim "
-                    f"{list(decode_op.HEAD_DIMS)} and group sizes 1..8; pass backend='reference' for the PyTorch "
-                    "reference")
+            with_reference_hint(decode_op.spec, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
+                                group_size=group, arch=kernel_arch(paged_kv_indices.device))
             device = paged_kv_indices.device
             dev_index = device_index(device)
             batch = paged.batch_size
@@ -202,28 +256,22 @@ class BatchDecodeWrapper:
             need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
                             f"head_dim {head_dim}, {num_splits} KV splits")
-            fn = _kernel(recipe_.name, head_dim, page_size, group, kernel_arch(device))
+            launch = _kernel(recipe_.name, head_dim, page_size, group, kernel_arch(device))
             n_idx = paged_kv_indices.numel()
             buf = self._buffers
-            if (buf is None or buf["batch"] != batch or buf["indices"].numel() < max(1, n_idx)
-                    or buf["indices"].device != device):
-                buf = dict(batch=batch, indptr=torch.empty(batch + 1, dtype=torch.int32, device=device),
-                           indices=torch.zeros(max(1, n_idx), dtype=torch.int32, device=device),
-                           last_page_len=torch.empty(batch, dtype=torch.int32, device=device),
-                           tiles_per_split=torch.zeros(1, dtype=torch.int32, device=device))
-                self._buffers = buf
-            buf["tiles_per_split"].fill_(tiles_per_split)
-            buf["indptr"].copy_(paged_kv_indptr, non_blocking=True)
-            buf["indices"][:n_idx].copy_(paged_kv_indices, non_blocking=True)
-            buf["last_page_len"].copy_(paged_kv_last_page_len, non_blocking=True)
-            ws = self.workspace_buffer
-            rows = batch * num_qo_heads
-            if need:
-                o_part = ws[: num_splits * rows * head_dim * 4].view(torch.float32)
-                lse_part = ws[num_splits * rows * head_dim * 4: need].view(torch.float32)
-            else:
-                o_part = lse_part = None
-            plan.update(num_splits=num_splits, fn=fn, device_index=dev_index, o_part=o_part, lse_part=lse_part)
+            if buf is None or not buf.fits(batch, n_idx, device):
+                buf = self._buffers = _PageTable.allocate(batch, n_idx, device)
+            buf.tiles_per_split.fill_(tiles_per_split)
+            buf.copy_from(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+            # Workspace: fp32 partial O [splits, batch, Hq, D], then their log2 LSE [splits, batch, Hq].
+            ws = self.workspace_buffer.data_ptr()
+            o_part_bytes = num_splits * batch * num_qo_heads * head_dim * 4
+            plan.params = decode_op.DecodeParams(
+                indptr=buf.indptr.data_ptr(), indices=buf.indices.data_ptr(),
+                last_page_len=buf.last_page_len.data_ptr(), num_kv_heads=num_kv_heads, num_splits=num_splits,
+                batch=batch, tiles_per_split=buf.tiles_per_split.data_ptr(), score_scale=score_scale(sm_scale),
+                o_part=ws if need else None, lse_part=ws + o_part_bytes if need else None)
+            plan.num_splits, plan.device_index, plan.launch = num_splits, dev_index, launch
         self._plan = plan
 
     def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
@@ -243,29 +291,27 @@ class BatchDecodeWrapper:
         _check_split_size(fixed_split_size)
         p = self._plan
         if self.backend != "cuda":
-            self.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, p["num_qo_heads"], p["num_kv_heads"],
-                      p["head_dim"], p["page_size"], sm_scale=p["sm_scale"], recipe=p["recipe"].name)
+            self.plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, p.num_qo_heads, p.num_kv_heads,
+                      p.head_dim, p.page_size, sm_scale=p.sm_scale, recipe=p.recipe.name)
             return
         buf = self._buffers
-        batch = buf["batch"]
+        batch = buf.batch
         index = (torch.int32, torch.int64)
-        device = buf["indices"].device
+        device = buf.indices.device
         check_tensor("paged_kv_indptr", paged_kv_indptr, dtypes=index, shape=(batch + 1,), device=device)
         check_tensor("paged_kv_indices", paged_kv_indices, dtypes=index, ndim=1, device=device)
         check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, dtypes=index, shape=(batch,), device=device)
-        if paged_kv_indices.numel() > buf["indices"].numel():
+        if paged_kv_indices.numel() > buf.indices.numel():
             raise ValueError(f"paged_kv_indices has {paged_kv_indices.numel()} entries; the plan's buffer holds "
-                             f"{buf['indices'].numel()}: plan again with the larger table")
-        buf["indptr"].copy_(paged_kv_indptr, non_blocking=True)
-        buf["indices"][: paged_kv_indices.numel()].copy_(paged_kv_indices, non_blocking=True)
-        buf["last_page_len"].copy_(paged_kv_last_page_len, non_blocking=True)
+                             f"{buf.indices.numel()}: plan again with the larger table")
+        buf.copy_from(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         if fixed_split_size is not None:
-            buf["tiles_per_split"].fill_(fixed_split_size // TILE)
+            buf.tiles_per_split.fill_(fixed_split_size // TILE)
 
     @property
     def num_splits(self) -> int | None:
         """KV splits of the current plan (kernel path), None on the reference path."""
-        return None if self._plan is None else self._plan.get("num_splits")
+        return None if self._plan is None else self._plan.num_splits
 
     def run(self, q: torch.Tensor, kv, *, out: torch.Tensor | None = None, return_lse: bool = False):
         """Attention of each request's query row over its pages. Returns o ``[batch, num_qo_heads,
@@ -274,26 +320,25 @@ class BatchDecodeWrapper:
         if self._plan is None:
             raise RuntimeError("BatchDecodeWrapper.run called before plan")
         p = self._plan
-        paged = p["paged"]
-        check_kv_matches(kv, p["recipe"], p["num_kv_heads"], p["head_dim"], p["page_size"])
-        check_pages_fit(p["paged"], kv)
-        shape = (paged.batch_size, p["num_qo_heads"], p["head_dim"])
+        paged = p.paged
+        check_kv_matches(kv, p.recipe, p.num_kv_heads, p.head_dim, p.page_size)
+        check_pages_fit(paged, kv)
+        shape = (paged.batch_size, p.num_qo_heads, p.head_dim)
         check_tensor("q", q, dtypes=(torch.bfloat16,), shape=shape, device=kv.device)
         if out is not None:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=shape, device=kv.device)
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
         qo_indptr = torch.arange(paged.batch_size + 1, device=q.device)
-        return reference_run(q, qo_indptr, kv, paged, out, return_lse, causal=False, sm_scale=p["sm_scale"])
+        return reference_run(q, qo_indptr, kv, paged, out, return_lse, causal=False, sm_scale=p.sm_scale)
 
     def _run_kernel(self, q, kv, out, return_lse):
-        p, buf = self._plan, self._buffers
+        p = self._plan
         out, lse = kernel_outputs(q, out, return_lse)
-        f = kv.fields
-        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale")),
-                _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["indptr"].data_ptr(),
-                buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(), q.shape[0], p["num_kv_heads"],
-                p["num_splits"], buf["tiles_per_split"].data_ptr(), p["sm_scale"], _ptr(p["o_part"]), _ptr(p["lse_part"]),
-                out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse), p["device_index"],
-                torch.cuda.current_stream(q.device).cuda_stream)
+        f, a = kv.fields, p.params
+        a.q, a.q_stride_b, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
+        a.k, a.k8, a.k_block_scale = f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale"))
+        a.k_scale, a.v, a.v_scale = _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale)
+        a.out, a.out_stride_b, a.out_stride_h, a.lse = out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse)
+        p.launch(ctypes.byref(a), p.device_index, torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

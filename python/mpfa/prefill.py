@@ -16,37 +16,40 @@ buffers, carves the workspace, and builds/loads the kernel. ``run`` only launche
 """
 from __future__ import annotations
 
+import ctypes
 import functools
-import math
+from dataclasses import dataclass
 
 import torch
 
-from mpfa_jit import UnknownKernelError, get_kernel
+from mpfa_jit import get_kernel
 from mpfa_jit.ops import prefill as prefill_op
 
-from .backend import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve
-from .paged_plan import check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
-from .validation import check_tensor, check_workspace, check_workspace_tensor
+from .dispatch import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve, with_reference_hint
+from .paged_plan import PagedBatch, check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
+from .recipes import Recipe
+from .validation import check_sm_scale, check_tensor, check_workspace, check_workspace_tensor
 
-Q_TILE = 128   # query rows per tile (one FP8 scale per tile and head); the kernel's CTA rows
-_ALIGN = 256
+_ALIGN = 256   # byte alignment of each workspace section
 
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-KV_TILE = {"bf16": 128, "qk8pv8": 128, "qk4pv8": 128}   # keys per KV tile image (the kernel's kBN)
-MU_ROWS = 128   # query rows per block of the mu_Q partial sums (the kernel's kMuRows)
+# The tile sizes (query rows per CTA, keys per KV tile image, query rows per mu_Q block) are the kernel's:
+# prefill_op.Q_TILE, KV_TILE and MU_ROWS, rendered into its template; read here at call time.
 
 
 def mu_blocks(qo_lens) -> int:
-    return -(-max(qo_lens, default=0) // MU_ROWS)
+    return -(-max(qo_lens, default=0) // prefill_op.MU_ROWS)
 
 
 def kv_tiles(kv_lengths, recipe: str) -> list[int]:
-    """Number of KV tile images of each request."""
-    return [-(-n // KV_TILE[recipe]) for n in kv_lengths]
+    """Number of KV tile images of each request (the same for every recipe; ``recipe`` is checked)."""
+    if recipe not in prefill_op.RECIPES:
+        raise ValueError(f"recipe must be one of {list(prefill_op.RECIPES)}, got {recipe!r}")
+    return [-(-n // prefill_op.KV_TILE) for n in kv_lengths]
 
 
 def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
@@ -57,16 +60,15 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
     the longest chunk (``max_qo_len``; at most the longest KV), batch, Hq, D] and fb [n_kv_tiles, Hq,
     KV_TILE] (fp32)."""
     n = sum(kv_tiles(kv_lengths, recipe))
-    tile = KV_TILE[recipe]
-    elt = 2 if recipe == "bf16" else 1
-    sizes = {"k_img": n * num_kv_heads * tile * head_dim * elt, "v_img": n * num_kv_heads * tile * head_dim * elt}
-    if recipe != "bf16":
-        sizes["fa"] = n * num_kv_heads * tile * 4
+    img = prefill_op.image_bytes(recipe, head_dim)
+    sizes = {"k_img": n * num_kv_heads * img["k"], "v_img": n * num_kv_heads * img["v"]}
+    if img["fa"]:
+        sizes["fa"] = n * num_kv_heads * img["fa"]
         if compensation:
             sizes["mu"] = batch_size * num_qo_heads * head_dim * 4
             rows = max_qo_len or max(kv_lengths, default=0)
             sizes["mu_part"] = mu_blocks([rows]) * batch_size * num_qo_heads * head_dim * 4
-            sizes["fb"] = n * num_qo_heads * tile * 4
+            sizes["fb"] = n * num_qo_heads * img["fa"]
     layout, off = {}, 0
     for name, size in sizes.items():
         layout[name] = (off, size)
@@ -90,10 +92,10 @@ def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
 def tile_schedule(qo_lens, kv_lengths, causal: bool) -> list[tuple[int, int]]:
     """(request, query tile) pairs, the longest KV range first (a simple longest-job-first order for
     the grid). A causal tile sees keys up to its last row's diagonal."""
-    tiles = []
+    tiles, q_tile = [], prefill_op.Q_TILE
     for b, (nq, nkv) in enumerate(zip(qo_lens, kv_lengths)):
-        for t in range(-(-nq // Q_TILE)):
-            last_row = min(nq, (t + 1) * Q_TILE)
+        for t in range(-(-nq // q_tile)):
+            last_row = min(nq, (t + 1) * q_tile)
             work = min(nkv, last_row + nkv - nq) if causal else nkv
             tiles.append((work, b, t))
     tiles.sort(key=lambda x: (-x[0], x[1], x[2]))
@@ -103,7 +105,39 @@ def tile_schedule(qo_lens, kv_lengths, causal: bool) -> list[tuple[int, int]]:
 @functools.lru_cache(maxsize=None)
 def _kernel(recipe: str, head_dim: int, page_size: int, arch: str):
     spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=arch)
-    return get_kernel(spec).fn(prefill_op.SYMBOL, prefill_op.ARGTYPES)
+    return bind(get_kernel(spec))
+
+
+def bind(module):
+    """The entry point of a loaded prefill library, ``f(params, device, stream)``; raises KernelAbiError when the
+    library's PrefillParams differs from prefill_op.PrefillParams."""
+    return module.params_fn(prefill_op.SYMBOL, prefill_op.PARAMS_LAYOUT_SYMBOL, prefill_op.PrefillParams)
+
+
+@dataclass
+class KernelPlan:
+    """The kernel path's part of a plan: the bound entry point and its arguments with every plan-time field set
+    (page table and tile lists, counts, scale, workspace sections); ``run`` sets the per-call pointers."""
+    fn: object
+    device_index: int
+    params: prefill_op.PrefillParams
+    sections: dict[str, torch.Tensor]   # the workspace views params points into (mu_blocks > 0: compensation)
+
+
+@dataclass
+class PrefillPlan:
+    qo_indptr: torch.Tensor
+    total_q: int
+    paged: PagedBatch
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    causal: bool
+    sm_scale: float
+    recipe: Recipe
+    compensation: bool
+    kernel: KernelPlan | None = None   # None on the reference backend
 
 
 class BatchPrefillWrapper:
@@ -114,7 +148,7 @@ class BatchPrefillWrapper:
         self.workspace_buffer = workspace_buffer
         self.requested_backend = backend
         self.backend: str | None = None   # what `plan` chose: 'cuda' or 'reference'
-        self._plan = None
+        self._plan: PrefillPlan | None = None
         self._buffers = None   # capture-stable int32 page-table / tile-list copies (kernel path)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
@@ -136,25 +170,20 @@ class BatchPrefillWrapper:
             raise ValueError(f"causal and compensation must be bool, got {causal!r}, {compensation!r}")
         device = paged_kv_indices.device
         self.backend = resolve(self.requested_backend, device)
-        sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        plan = dict(qo_indptr=qo_indptr, total_q=int(qo[-1]), paged=paged, num_qo_heads=num_qo_heads,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=causal,
-                    sm_scale=sm_scale, recipe=recipe_, compensation=compensation)
+        sm_scale = check_sm_scale(sm_scale, head_dim)
+        plan = PrefillPlan(qo_indptr=qo_indptr, total_q=int(qo[-1]), paged=paged, num_qo_heads=num_qo_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=causal,
+                           sm_scale=sm_scale, recipe=recipe_, compensation=compensation)
         if self.backend == "cuda":
             group = num_qo_heads // num_kv_heads
-            if not prefill_op.supported(recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
-                                        group_size=group):
-                raise UnknownKernelError(
-                    f"no sm_90a batch-prefill kernel is built for recipe={recipe_.name}, head_dim={head_dim}, "
-                    f"page_size={page_size}, group size {group} (num_qo_heads / num_kv_heads): built for "
-                    f"head_dim {list(prefill_op.HEAD_DIMS)}, page_size {list(prefill_op.PAGE_SIZES)}, group sizes "
-                    f"1..{prefill_op.MAX_GROUP}; pass backend='reference' to run the PyTorch reference")
-            plan.update(self._plan_kernel(qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads, head_dim,
-                                          page_size, causal, compensation))
+            with_reference_hint(prefill_op.spec, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
+                                group_size=group, arch=kernel_arch(device))
+            plan.kernel = self._plan_kernel(qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads,
+                                            head_dim, page_size, causal, sm_scale, compensation)
         self._plan = plan
 
     def _plan_kernel(self, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads, head_dim, page_size,
-                     causal, compensation):
+                     causal, sm_scale, compensation) -> KernelPlan:
         dev_index = device_index(device)
         batch = paged.batch_size
         kv_lengths = paged.kv_lengths
@@ -190,36 +219,41 @@ class BatchPrefillWrapper:
                 buf[k][: v.numel()].copy_(v, non_blocking=True)
         ws = self.workspace_buffer
         sections = {name: ws[off: off + max(16, size)] for name, (off, size) in layout.items()}
-        return dict(fn=fn, device_index=dev_index, num_tiles=len(tiles), num_kv_tiles=len(kvt_req),
-                    sections=sections, compensate=compensate, mu_blocks=mu_blocks(qo_lens) if compensate else 0)
+        params = prefill_op.PrefillParams(
+            qo_indptr=buf["qo_indptr"].data_ptr(), kv_indptr=buf["kv_indptr"].data_ptr(),
+            indices=buf["indices"].data_ptr(), last_page_len=buf["last_page_len"].data_ptr(),
+            kv_tile_base=buf["kv_tile_base"].data_ptr(), tile_req=buf["tile_req"].data_ptr(),
+            tile_q=buf["tile_q"].data_ptr(), kvt_req=buf["kvt_req"].data_ptr(), kvt_idx=buf["kvt_idx"].data_ptr(),
+            num_tiles=len(tiles), num_kv_tiles=len(kvt_req), batch=batch, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, causal=int(causal), sm_scale=sm_scale,
+            mu_blocks=mu_blocks(qo_lens) if compensate else 0, mu_part=_ptr(sections.get("mu_part")),
+            mu=_ptr(sections.get("mu")), k_img=_ptr(sections.get("k_img")), v_img=_ptr(sections.get("v_img")),
+            fa=_ptr(sections.get("fa")), fb=_ptr(sections.get("fb")))
+        return KernelPlan(fn=fn, device_index=dev_index, params=params, sections=sections)
 
     def run(self, q: torch.Tensor, kv, *, out: torch.Tensor | None = None, return_lse: bool = False):
         """Attention of ``q [total_q, num_qo_heads, head_dim]`` (bf16) over ``kv``; returns o (and lse)."""
         if self._plan is None:
             raise RuntimeError("BatchPrefillWrapper.run called before plan")
         p = self._plan
-        check_kv_matches(kv, p["recipe"], p["num_kv_heads"], p["head_dim"], p["page_size"])
-        check_pages_fit(p["paged"], kv)
-        check_tensor("q", q, dtypes=(torch.bfloat16,), shape=(p["total_q"], p["num_qo_heads"], p["head_dim"]),
+        check_kv_matches(kv, p.recipe, p.num_kv_heads, p.head_dim, p.page_size)
+        check_pages_fit(p.paged, kv)
+        check_tensor("q", q, dtypes=(torch.bfloat16,), shape=(p.total_q, p.num_qo_heads, p.head_dim),
                      device=kv.device)
         if out is not None:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=tuple(q.shape), device=kv.device)
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
-        return reference_run(q, p["qo_indptr"], kv, p["paged"], out, return_lse, causal=p["causal"],
-                             sm_scale=p["sm_scale"], recipe=p["recipe"], compensation=p["compensation"], q_tile=Q_TILE)
+        return reference_run(q, p.qo_indptr, kv, p.paged, out, return_lse, causal=p.causal, sm_scale=p.sm_scale,
+                             recipe=p.recipe, compensation=p.compensation, q_tile=prefill_op.Q_TILE)
 
     def _run_kernel(self, q, kv, out, return_lse):
-        p, buf = self._plan, self._buffers
+        k = self._plan.kernel
         out, lse = kernel_outputs(q, out, return_lse)
-        f, ws = kv.fields, p["sections"]
-        p["fn"](q.data_ptr(), q.stride(0), q.stride(1), f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale")),
-                _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale), buf["qo_indptr"].data_ptr(),
-                buf["kv_indptr"].data_ptr(), buf["indices"].data_ptr(), buf["last_page_len"].data_ptr(),
-                buf["kv_tile_base"].data_ptr(), buf["tile_req"].data_ptr(), buf["tile_q"].data_ptr(),
-                buf["kvt_req"].data_ptr(), buf["kvt_idx"].data_ptr(), p["num_tiles"], p["num_kv_tiles"],
-                p["paged"].batch_size, p["num_qo_heads"], p["num_kv_heads"], int(p["causal"]), p["sm_scale"],
-                p["mu_blocks"], _ptr(ws.get("mu_part")), _ptr(ws.get("mu")), _ptr(ws.get("k_img")),
-                _ptr(ws.get("v_img")), _ptr(ws.get("fa")), _ptr(ws.get("fb")), out.data_ptr(), out.stride(0),
-                out.stride(1), _ptr(lse), p["device_index"], torch.cuda.current_stream(q.device).cuda_stream)
+        f, a = kv.fields, k.params
+        a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
+        a.k, a.k8, a.k_block_scale = f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale"))
+        a.k_scale, a.v, a.v_scale = _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale)
+        a.out, a.out_stride_t, a.out_stride_h, a.lse = out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse)
+        k.fn(ctypes.byref(a), k.device_index, torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

@@ -1,6 +1,8 @@
 """Argument checks shared by the API. Every error names the argument and what is accepted."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -12,6 +14,20 @@ def check_choice(name: str, value, accepted) -> None:
 def check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale a plan uses: ``1 / sqrt(head_dim)`` for None, else a finite positive number
+    (a NaN or inf scale would turn every output row into NaN)."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        value = None if isinstance(sm_scale, (bool, str, bytes)) else float(sm_scale)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"sm_scale must be None (1/sqrt(head_dim)) or a finite positive float, got {sm_scale!r}")
+    return value
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim: int | None = None, shape=None, device=None) -> None:

@@ -1,5 +1,6 @@
 """The decode kernel's host side without a GPU: the split heuristic, workspace sizing, specs, and
 nvcc builds of the decode template for sm_90a (SASS: tensor-core MMAs, cp.async, nothing spilled)."""
+import ctypes
 import math
 import re
 import subprocess
@@ -13,7 +14,6 @@ from mpfa.decode import (FILL, MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, c
                          fixed_split_policy, server_decode_splits, split_bucket, wave_efficiency, workspace_bytes)
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import decode as decode_op
-from mpfa_jit.render import render
 
 ARCH = "sm_90a"
 
@@ -68,16 +68,35 @@ def test_specs_and_unsupported_shapes():
             decode_op.spec(**kw)
     assert len(decode_op.server_specs(num_qo_heads=32, num_kv_heads=8, head_dim=128, recipe="qk4pv8",
                                       page_size=16, arch=ARCH)) == 1
-    assert decode_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8",
-                                  page_size=16, arch=ARCH) == []
+    with pytest.raises(UnknownKernelError, match="group_size=16"):
+        decode_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8", page_size=16, arch=ARCH)
     assert decode_op in mpfa_jit.ops.OPS
 
 
-def test_render_substitutes_parameters():
-    src = render("decode.cu.jinja", {"recipe": "qk8pv8", "head_dim": 64, "page_size": 32, "group_size": 5,
-                                     "arch": ARCH})
-    assert "constexpr int kRecipe = 1;" in src and "constexpr int kGroup = 5;" in src
-    assert "constexpr int kPageSize = 32;" in src and "constexpr int kHeadDim = 64;" in src
+@pytest.mark.nvcc
+def test_library_params_match_the_ctypes_mirror(jit_cache):
+    """The library's DecodeParams (size and every field's offset, exported by mpfa_decode_params_layout) is the
+    mirror's; a mirror with a field dropped, or one of another width, is refused at load with both layouts."""
+    from mpfa_jit.errors import KernelAbiError
+    spec = decode_op.spec(recipe="qk4pv8", head_dim=64, page_size=16, group_size=4, arch=ARCH)
+    module = mpfa_jit.get_kernel(spec)
+    module.params_fn(decode_op.SYMBOL, decode_op.PARAMS_LAYOUT_SYMBOL, decode_op.DecodeParams)
+    fields = decode_op.DecodeParams._fields_
+    dropped = type("Dropped", (ctypes.Structure,), {"_fields_": [f for f in fields if f[0] != "batch"]})
+    narrow = type("Narrow", (ctypes.Structure,), {"_fields_": [(n, ctypes.c_int64 if n == "num_kv_heads" else t)
+                                                                for n, t in fields]})
+    for wrong in (dropped, narrow):
+        with pytest.raises(KernelAbiError, match="mpfa_jit.ops"):
+            module.params_fn(decode_op.SYMBOL, decode_op.PARAMS_LAYOUT_SYMBOL, wrong)
+
+
+def test_score_scale_is_the_float32_product():
+    """The kernel's softmax scale, sm_scale * log2(e), rounded as a float32 multiply in C rounds it."""
+    from mpfa.decode import score_scale
+    for sm in (1 / math.sqrt(128), 1 / math.sqrt(64), 1e-4, 0.3):
+        want = (torch.tensor(sm, dtype=torch.float32) * torch.tensor(1.4426950408889634, dtype=torch.float32)).item()
+        got = ctypes.c_float(score_scale(sm)).value   # what the DecodeParams field holds
+        assert got == want, (sm, got, want)
 
 
 def test_plan_validates_on_cpu_reference():
@@ -199,7 +218,8 @@ def _header_constants():
     assert "out[2] = e4m3x2_to_f16x2(odd);" in src and "out[3] = e4m3x2_hi_to_f16x2(odd);" in src
     assert "e2m1x8_pair_lo(int k) { return (k & 1) * 4 + (k >> 1); }" in src
     assert "e2m1x8_pair_hi(int k) { return e2m1x8_pair_lo(k) + 2; }" in src
-    mult = int(re.search(r"k64 = (0x[0-9A-Fa-f]+)u;", (_TEMPLATES / "decode.cu.jinja").read_text()).group(1), 16)
+    mma = (_TEMPLATES / "include" / "mpfa" / "decode" / "mma.cuh").read_text()
+    mult = int(re.search(r"k64 = (0x[0-9A-Fa-f]+)u;", mma).group(1), 16)
     return code, lut, mult
 
 

@@ -1,6 +1,8 @@
 """The prefill kernel's host side without a GPU: specs, the tile schedule, workspace sizing, the
 template's rendering, and nvcc builds for sm_90a with a SASS check (QGMMA for the FP8 recipes,
-HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled)."""
+HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled) and
+the library's PrefillParams against its ctypes mirror."""
+import ctypes
 import re
 import subprocess
 
@@ -8,24 +10,53 @@ import pytest
 import torch
 
 import mpfa_jit
-from mpfa.prefill import KV_TILE, MU_ROWS, Q_TILE, BatchPrefillWrapper, kv_tiles, tile_schedule, workspace_bytes, workspace_layout
+from mpfa.prefill import BatchPrefillWrapper, kv_tiles, mu_blocks, tile_schedule, workspace_bytes, workspace_layout
 from mpfa_jit import UnknownKernelError
+from mpfa_jit.abi import check_params, describe
+from mpfa_jit.errors import KernelAbiError
 from mpfa_jit.ops import prefill as prefill_op
-from mpfa_jit.render import render
 
 ARCH = "sm_90a"
+Q_TILE = prefill_op.Q_TILE
 
 
-def test_q_tile_matches_the_kernel():
-    src = render("prefill.cu.jinja", {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16, "arch": ARCH})
-    assert f"constexpr int kBM = {Q_TILE};" in src
+def test_workspace_arithmetic_follows_the_op_modules_tile_sizes(monkeypatch):
+    """The wrapper's schedule and workspace read the tile sizes the template is rendered with (mpfa_jit.ops.prefill),
+    not copies of their own."""
+    lens = [1000, 1, 128]
+    base = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
+    monkeypatch.setattr(prefill_op, "KV_TILE", 64)
+    monkeypatch.setattr(prefill_op, "MU_ROWS", 100)
+    monkeypatch.setattr(prefill_op, "Q_TILE", 64)
+    assert kv_tiles(lens, "qk4pv8") == [16, 1, 2] and mu_blocks([300]) == 3
+    assert len(tile_schedule([300], [300], causal=False)) == 5
+    lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
+    assert lay["k_img"][1] == 19 * 8 * 64 * 128 and lay["fb"][1] == 19 * 32 * 64 * 4
+    assert lay["mu_part"][1] == 3 * 3 * 32 * 128 * 4
+    assert lay != base
 
 
-def test_kv_tile_matches_the_kernel():
-    assert KV_TILE == {"bf16": 128, "qk8pv8": 128, "qk4pv8": 128}
-    src = render("prefill.cu.jinja", {"recipe": "bf16", "head_dim": 128, "page_size": 16, "arch": ARCH})
-    assert "constexpr int kBN = 128;" in src and "constexpr int kRecipe = 0;" in src
-    assert f"constexpr int kMuRows = {MU_ROWS};" in src
+def test_render_context_carries_the_tile_sizes_and_cache_layout():
+    s = prefill_op.spec(recipe="qk4pv8", head_dim=64, page_size=16, arch=ARCH)
+    ctx = dict(s.context)
+    assert (ctx["q_tile"], ctx["kv_tile"], ctx["mu_rows"]) == (prefill_op.Q_TILE, prefill_op.KV_TILE, prefill_op.MU_ROWS)
+    assert (ctx["k_image_bytes"], ctx["v_image_bytes"], ctx["fa_bytes"]) == (128 * 64, 128 * 64, 128 * 4)
+    assert ctx["recipe_enum"] == "kQk4pv8" and dict(ctx["cache_fields"])["k_block_scale"] == 4
+    assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0}
+    assert s.key == "prefill_head_dim-64_page_size-16_recipe-qk4pv8_sm_90a"   # the context is not in the key
+
+
+def test_params_mirror_is_naturally_aligned():
+    """The ctypes mirror's offsets are those a C compiler gives PrefillParams (every field at its natural
+    alignment); the built library's own text is compared in test_library_params_layout_matches_the_mirror."""
+    off = 0
+    for name, ctype in prefill_op.PrefillParams._fields_:
+        size = ctypes.sizeof(ctype)
+        off = -(-off // size) * size
+        assert getattr(prefill_op.PrefillParams, name).offset == off, name
+        off += size
+    assert ctypes.sizeof(prefill_op.PrefillParams) == -(-off // 8) * 8
+    assert len(prefill_op.PrefillParams._fields_) == 36
 
 
 def test_specs_and_unsupported_shapes():
@@ -37,16 +68,17 @@ def test_specs_and_unsupported_shapes():
             prefill_op.spec(**kw)
     assert len(prefill_op.server_specs(num_qo_heads=32, num_kv_heads=8, head_dim=128, recipe="qk4pv8",
                                        page_size=16, arch=ARCH)) == 1
-    assert prefill_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8",
-                                   page_size=16, arch=ARCH) == []
+    with pytest.raises(UnknownKernelError, match="group_size=16"):
+        prefill_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8", page_size=16, arch=ARCH)
     assert prefill_op in mpfa_jit.ops.OPS
     assert not prefill_op.supported(recipe="bf16", head_dim=128, page_size=16, group_size=9)
 
 
 def test_render_substitutes_parameters():
-    src = render("prefill.cu.jinja", {"recipe": "qk8pv8", "head_dim": 64, "page_size": 32, "arch": ARCH})
-    assert "constexpr int kRecipe = 1;" in src and "constexpr int kPageSize = 32;" in src
+    src = prefill_op.spec(recipe="qk8pv8", head_dim=64, page_size=32, arch=ARCH).render()
+    assert "mpfa::Recipe::kQk8pv8;" in src and "constexpr int kPageSize = 32;" in src
     assert "constexpr int kHeadDim = 64;" in src
+    assert "static_assert(Layout::k_scale_bytes == 4," in src    # the cache layout check is rendered
 
 
 def test_tile_schedule_covers_every_row_once_longest_first():
@@ -111,6 +143,7 @@ def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mm
         part = usage[usage.index(fn):]
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", part)
         assert m and m.group(2) == "0" and m.group(3) == "0", part[:300]
+    check_params(ctypes.CDLL(lib), prefill_op.PARAMS_LAYOUT_SYMBOL, prefill_op.PrefillParams, spec.key)
     sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
     assert sass.returncode == 0, sass.stderr
     assert mma in sass.stdout                                        # QK on the tensor cores (wgmma)
@@ -122,20 +155,56 @@ def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mm
     assert "LDL" not in sass.stdout and "STL" not in sass.stdout     # nothing spilled
 
 
+@pytest.mark.nvcc
+def test_library_params_layout_matches_the_mirror(jit_cache):
+    """The library's exported PrefillParams text equals the mirror's, and a mirror that differs is refused."""
+    spec = prefill_op.spec(recipe="qk8pv8", head_dim=64, page_size=1, arch=ARCH)
+    uri, _, _ = mpfa_jit.build_only(spec)
+    lib = ctypes.CDLL(str(mpfa_jit.Store(jit_cache).library(uri)))
+    fn = getattr(lib, prefill_op.PARAMS_LAYOUT_SYMBOL)
+    fn.restype = ctypes.c_char_p
+    assert fn().decode() == describe(prefill_op.PrefillParams)
+    check_params(lib, prefill_op.PARAMS_LAYOUT_SYMBOL, prefill_op.PrefillParams, spec.key)
+
+    class Swapped(ctypes.Structure):   # two int fields in the other order: same size, other offsets
+        _fields_ = [(n, t) for n, t in prefill_op.PrefillParams._fields_ if n not in ("batch", "num_kv_tiles")]
+        _fields_[19:19] = [("batch", ctypes.c_int), ("num_kv_tiles", ctypes.c_int)]
+    with pytest.raises(KernelAbiError, match="differs"):
+        check_params(lib, prefill_op.PARAMS_LAYOUT_SYMBOL, Swapped, spec.key)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("knobs", [dict(persistent=1, poly_every=4, fac_vec=0), dict(pingpong=0, stages=4),
+                                   dict(stages=2, poly_every=16)])
+def test_study_knob_builds_compile_without_spills(knobs, jit_cache, sass_tools):
+    cuobjdump, tool_env = sass_tools
+    spec = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=knobs)
+    assert all(f"{k}-{v}" in spec.key for k, v in knobs.items())
+    uri, built, _ = mpfa_jit.build_only(spec)
+    lib = str(mpfa_jit.Store(jit_cache).library(uri))
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
+                           env=tool_env).stdout
+    part = usage[usage.index("prefill_kernel"):]
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", part)
+    assert m and m.group(2) == "0" and m.group(3) == "0", part[:300]
+
+
 def test_prefill_variant_knobs_parse_and_render():
     from benchmarks.prefill_variants import parse_variant
     from mpfa_jit.ops import prefill as op
-    from mpfa_jit.render import render
     assert parse_variant("poly_every=4, pingpong=0") == {"poly_every": 4, "pingpong": 0}
     assert parse_variant("persistent=1") == {"persistent": 1}
     assert parse_variant("") == {}
     for bad, msg in (("nope=1", "unknown knob"), ("poly_every=x", "integer"), ("poly_every=3", "one of")):
         with pytest.raises(ValueError, match=msg):
             parse_variant(bad)
-    src = render(op.TEMPLATE, {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16, "arch": "sm_90a", "poly_every": 4})
-    assert "constexpr int kPolyEvery = 4;" in src
-    assert "constexpr int kPolyEvery = 0;" in render(op.TEMPLATE, {"recipe": "qk4pv8", "head_dim": 128, "page_size": 16,
-                                                                    "arch": "sm_90a"})
+    base = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a")
+    assert "constexpr int kPolyEvery = 4;" in op.spec(**base, knobs={"poly_every": 4}).render()
+    assert "constexpr int kPolyEvery = 0;" in op.spec(**base).render()
+    with pytest.raises(ValueError, match="poly_every=3"):
+        op.spec(**base, knobs={"poly_every": 3})
+    with pytest.raises(ValueError, match="nope"):
+        op.spec(**base, knobs={"nope": 1})
 
 
 def test_ex2_poly_matches_exp2_within_its_bound():

@@ -1,5 +1,6 @@
 """The append kernel on the GPU against the PyTorch reference, byte for byte, for every built recipe,
-head_dim and page size; poisoned caches show that every row was written and nothing else was."""
+head_dim and page size; poisoned caches show that every row was written and nothing else was, also when
+slots point past the layer; NaN / inf rows give the defined bytes."""
 import itertools
 
 import pytest
@@ -22,14 +23,6 @@ def _poison(cache):
             t.view(torch.uint8).fill_(POISON_BYTE)
 
 
-def _rows(n, heads, d, gen, device="cuda"):
-    """bf16 rows with outlier channels (large mean and large spread), as real K/V have."""
-    x = torch.randn(n, heads, d, generator=gen, device=device)
-    x[..., 3] = x[..., 3] * 20 + 40
-    x[..., d // 2 + 1] *= 30
-    return x.to(torch.bfloat16)
-
-
 def _same_bytes(a, b):
     if a.dtype == torch.float32:
         return torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -37,7 +30,8 @@ def _same_bytes(a, b):
 
 
 @pytest.mark.parametrize("recipe,head_dim,page_size", list(itertools.product(RECIPES, (64, 128, 256), (1, 16, 32, 64))))
-def test_append_matches_reference(recipe, head_dim, page_size, shared_jit_cache):
+def test_append_matches_reference(recipe, head_dim, page_size, shared_jit_cache, bf16_rows):
+    _rows = bf16_rows
     gen = torch.Generator(device="cuda").manual_seed(hash((recipe, head_dim, page_size)) % 2**31)
     heads, pages, layers = 3, 37, 2
     cache = mpfa.PagedKVCache(recipe, num_layers=layers, num_pages=pages, page_size=page_size, num_kv_heads=heads,
@@ -76,7 +70,8 @@ def test_append_matches_reference(recipe, head_dim, page_size, shared_jit_cache)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_append_int32_slots_and_graph_replay(recipe, shared_jit_cache):
+def test_append_int32_slots_and_graph_replay(recipe, shared_jit_cache, bf16_rows):
+    _rows = bf16_rows
     gen = torch.Generator(device="cuda").manual_seed(7)
     cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=64, page_size=16, num_kv_heads=8, head_dim=128)
     ref = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=64, page_size=16, num_kv_heads=8, head_dim=128)
@@ -100,8 +95,9 @@ def test_append_int32_slots_and_graph_replay(recipe, shared_jit_cache):
             assert _same_bytes(cache.fields[name], ref.fields[name]), f"step {step}: {name} differs from eager"
 
 
-def test_append_reference_roundtrip_error_small(shared_jit_cache):
+def test_append_reference_roundtrip_error_small(shared_jit_cache, bf16_rows):
     """The stored cache reproduces its input within each format's precision (calibrated layer)."""
+    _rows = bf16_rows
     gen = torch.Generator(device="cuda").manual_seed(11)
     for recipe, tol_k, tol_v in (("bf16", 0, 0), ("qk8pv8", 0.04, 0.04), ("qk4pv8", 0.15, 0.04)):
         cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=16, page_size=16, num_kv_heads=4, head_dim=128)
@@ -114,3 +110,129 @@ def test_append_reference_roundtrip_error_small(shared_jit_cache):
         ek = ((kd - k.float()).norm() / k.float().norm()).item()
         ev = ((vd - v.float()).norm() / v.float().norm()).item()
         assert ek <= tol_k and ev <= tol_v, (recipe, ek, ev)
+
+
+def _poison_all(cache):
+    """Every byte of every field of every layer: 0xA5 (float32 fields: a NaN pattern too)."""
+    for t in cache.fields.values():
+        t.view(torch.uint8).fill_(POISON_BYTE)
+
+
+@pytest.mark.parametrize("recipe,head_dim,page_size", [(r, d, p) for r in RECIPES for d, p in ((128, 16), (64, 1), (256, 64))])
+def test_append_out_of_range_slots_write_nothing_and_are_counted(recipe, head_dim, page_size, shared_jit_cache,
+                                                                 bf16_rows):
+    """Slots just past the layer, a page further, far past and at the int32 limit, on the middle and the last
+    layer: every other layer and every page not addressed keeps its bytes, the in-range rows are the
+    reference's bytes, and the cache counts each bad token once (not once per head)."""
+    gen = torch.Generator(device="cuda").manual_seed(hash((recipe, head_dim, page_size, "oob")) % 2**31)
+    heads, pages, layers = 3, 9, 3
+    cache = mpfa.PagedKVCache(recipe, num_layers=layers, num_pages=pages, page_size=page_size, num_kv_heads=heads,
+                              head_dim=head_dim, device="cuda")
+    for i in range(layers):
+        cache.calibrate(i, bf16_rows(64, heads, head_dim, gen), bf16_rows(64, heads, head_dim, gen))
+    n_slots = cache.num_slots
+    bad = [n_slots, n_slots + page_size + 1, n_slots + 3 * n_slots, 1 << 40, 2**31 - 1]
+    for target in (1, layers - 1):
+        _poison_all(cache)
+        before = {name: t.clone() for name, t in cache.fields.items()}
+        good = torch.randperm(n_slots, generator=gen, device="cuda")[:2 * page_size + 5]
+        slots = torch.cat([good, torch.tensor(bad + [-1], device="cuda")])
+        slots = slots[torch.randperm(slots.numel(), generator=gen, device="cuda")]
+        k, v = bf16_rows(slots.numel(), heads, head_dim, gen), bf16_rows(slots.numel(), heads, head_dim, gen)
+        layer = cache.layer(target)
+        assert mpfa.append_kv(k, v, layer, slots) == "cuda"
+        torch.cuda.synchronize()
+        assert int(cache.out_of_range_slots.item()) == len(bad), "one count per out-of-range token"
+        with pytest.raises(ValueError, match=rf"{len(bad)} slot\(s\) outside \[0, {n_slots}\)"):
+            cache.check_append_slots()
+        assert int(cache.out_of_range_slots.item()) == 0
+
+        keep = (slots >= 0) & (slots < n_slots)
+        want = quantize_rows(cache.recipe, k[keep].cpu(), v[keep].cpu(), layer.mu_k.cpu() if layer.mu_k is not None
+                             else None, layer.v_scale.cpu() if layer.v_scale is not None else None)
+        page, off = slots[keep] // page_size, slots[keep] % page_size
+        written = torch.zeros(n_slots, dtype=torch.bool, device="cuda")
+        written[slots[keep]] = True
+        def slot_bytes(x):   # one layer's field as [slot, head, bytes]
+            x = x.reshape(pages, heads, page_size, -1).transpose(1, 2).reshape(n_slots, heads, -1)
+            return x.view(torch.uint8)
+
+        for name, t in cache.fields.items():
+            got = t[target][page, :, off]
+            assert _same_bytes(got.cpu(), want[name].to(got.dtype)), f"{name}: an in-range row differs from the reference"
+            assert torch.equal(slot_bytes(t[target])[~written], slot_bytes(before[name][target])[~written]), \
+                f"{name}: a slot the append did not address changed"
+            for other in range(layers):
+                if other != target:
+                    assert torch.equal(t[other].view(torch.uint8), before[name][other].view(torch.uint8)), \
+                        f"{name}: layer {other} changed by an append to layer {target}"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_append_counts_out_of_range_slots_in_graph_replays(recipe, shared_jit_cache, bf16_rows):
+    """In a CUDA graph the slots change between replays: each replay's bad slots add to the count."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    cache = mpfa.PagedKVCache(recipe, num_layers=2, num_pages=8, page_size=16, num_kv_heads=4, head_dim=128)
+    k, v = bf16_rows(16, 4, 128, gen), bf16_rows(16, 4, 128, gen)
+    slots = torch.arange(16, device="cuda")
+    mpfa.append_kv(k, v, cache.layer(1), slots)   # loads the kernel before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mpfa.append_kv(k, v, cache.layer(1), slots)
+    snapshot = cache.fields["v"][0].clone()
+    for bad in (0, 3, 16):
+        slots.copy_(torch.arange(16, device="cuda"))
+        slots[:bad] = cache.num_slots + torch.arange(bad, device="cuda") * 1000
+        graph.replay()
+    torch.cuda.synchronize()
+    assert int(cache.out_of_range_slots.item()) == 19
+    assert torch.equal(cache.fields["v"][0], snapshot), "layer 0 changed by appends to layer 1"
+    with pytest.raises(ValueError, match=r"19 slot\(s\)"):
+        cache.check_append_slots()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_append_nonfinite_rows_give_the_defined_bytes(recipe, head_dim, shared_jit_cache, bf16_rows):
+    """NaN / +-inf in K: the row's k_scale is NaN and its E4M3 K bytes E4M3 NaN (its 4-bit codes and block
+    scales are unspecified); NaN / +-inf in V: E4M3 NaN, never 448; every other byte (finite rows, finite V,
+    finite V past the scale, subnormal and -0 V) is the reference's; bf16 keeps the values as given."""
+    gen = torch.Generator(device="cuda").manual_seed(hash((recipe, head_dim, "nan")) % 2**31)
+    heads, n = 2, 40
+    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=8, page_size=16, num_kv_heads=heads, head_dim=head_dim)
+    cache.calibrate(0, bf16_rows(64, heads, head_dim, gen), bf16_rows(64, heads, head_dim, gen))
+    layer = cache.layer(0)
+    if layer.v_scale is not None:
+        layer.v_scale[1] = 2e-38   # head 1: a scale under which bf16 subnormals are E4M3 numbers
+    k, v = bf16_rows(n, heads, head_dim, gen), bf16_rows(n, heads, head_dim, gen)
+    nan, inf = float("nan"), float("inf")
+    low = head_dim // 4 + 1   # qk4pv8: an E4M3-half channel; channel 0 is in the 4-bit half
+    k[1, 0, 0], k[2, 1, low], k[3, 0, head_dim - 1], k[4, 1, 5] = nan, inf, -inf, nan
+    k[5, 0, :] = inf
+    v[6, 0, 1], v[6, 0, 8], v[7, 1, 9], v[8, 0, :] = nan, inf, -inf, -inf
+    v[9, 0, 2] = 3e38                                            # finite, past any scale: saturates
+    v[10, 1, :8] = torch.tensor([9e-41, -9e-41, 1e-39, -0.0, 0.0, 5e-40, -2e-39, 1e-38])   # subnormal and zero V
+    slots = torch.randperm(cache.num_slots, generator=gen, device="cuda")[:n]
+    mpfa.append_kv(k, v, layer, slots)
+    torch.cuda.synchronize()
+
+    want = quantize_rows(cache.recipe, k.cpu(), v.cpu(), layer.mu_k.cpu() if layer.mu_k is not None else None,
+                         layer.v_scale.cpu() if layer.v_scale is not None else None)
+    got = {name: t[slots // 16, :, slots % 16].cpu() for name, t in layer.fields.items()}
+    if recipe == "bf16":
+        for name in ("k", "v"):
+            assert _same_bytes(got[name], want[name]), f"{name}: bf16 stores the values as given"
+        return
+    bad_k = ~torch.isfinite(k.float().cpu() - layer.mu_k.cpu()).all(dim=-1)   # [n, heads]
+    assert int(bad_k.sum()) == 5
+    assert torch.isnan(got["k_scale"][bad_k]).all(), "a non-finite K row's k_scale is NaN"
+    assert _same_bytes(got["k_scale"][~bad_k], want["k_scale"][~bad_k])
+    e4m3_k = "k" if recipe == "qk8pv8" else "k8"
+    assert ((got[e4m3_k][bad_k] & 0x7F) == 0x7F).all(), "E4M3 K bytes of a non-finite row are E4M3 NaN"
+    for name in ("k", "k8", "k_block_scale"):
+        if name in got:
+            assert _same_bytes(got[name][~bad_k], want[name][~bad_k]), f"{name}: a finite row differs"
+    bad_v = ~torch.isfinite(v.cpu())
+    assert ((got["v"][bad_v] & 0x7F) == 0x7F).all(), "NaN and +-inf V are stored as E4M3 NaN"
+    assert _same_bytes(got["v"][~bad_v], want["v"][~bad_v]), "finite V (saturating, subnormal, -0 included)"
+    assert got["v"][9, 0, 2] == 0x7E

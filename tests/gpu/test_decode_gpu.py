@@ -17,41 +17,9 @@ RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 WORKSPACE = 64 << 20
 
 
-def _rows(n, heads, d, gen, scale=1.0):
-    """bf16 rows with outlier channels (large mean and large spread), as real K/V have."""
-    x = torch.randn(n, heads, d, generator=gen, device="cuda") * scale
-    x[..., 3] = x[..., 3] * 20 + 40
-    x[..., d // 2 + 1] *= 30
-    return x.to(torch.bfloat16)
-
-
 def _lengths(page_size):
     p = page_size
     return [1, 3 * p, 5 * p + (7 if p > 8 else 0) + 37, 64 * 3, 777, 64 * 5 + 1]
-
-
-def _make_batch(recipe, head_dim, page_size, num_kv_heads, lengths, gen, extra_pages=5):
-    pages_per = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages_per) + extra_pages
-    cache = mpfa.PagedKVCache(recipe, num_layers=2, num_pages=num_pages, page_size=page_size,
-                              num_kv_heads=num_kv_heads, head_dim=head_dim, device="cuda")
-    n_slots = num_pages * page_size
-    k, v = _rows(n_slots, num_kv_heads, head_dim, gen), _rows(n_slots, num_kv_heads, head_dim, gen)
-    cache.calibrate(1, k[:256], v[:256])
-    layer = cache.layer(1)
-    mpfa.append_kv(k, v, layer, torch.arange(n_slots, device="cuda"))
-    perm = torch.randperm(num_pages, generator=gen, device="cuda")
-    indices = perm[: sum(pages_per)].to(torch.int32)
-    indptr = torch.tensor([0] + list(itertools.accumulate(pages_per)), dtype=torch.int32, device="cuda")
-    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lengths, pages_per)], dtype=torch.int32,
-                        device="cuda")
-    # Slots past each request's length in its last page hold NaN bytes: the kernel must not use them.
-    for b, n in enumerate(lengths):
-        page = int(indices[int(indptr[b + 1]) - 1])
-        off = n - (pages_per[b] - 1) * page_size
-        for t in layer.fields.values():
-            t[page, :, off:].view(torch.uint8).fill_(0xFF)
-    return cache, layer, indptr, indices, last
 
 
 def _reference(q, layer, indptr, indices, lengths, sm_scale=None):
@@ -82,12 +50,13 @@ def _check(o, lse, o_ref, lse_ref, tol=5e-3):
 
 @pytest.mark.parametrize("recipe,head_dim,page_size,group",
                          list(itertools.product(RECIPES, (64, 128), (1, 16, 32, 64), (1, 3, 4, 5, 8))))
-def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, shared_jit_cache):
+def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, paged_batch, bf16_rows, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{recipe}-{head_dim}-{page_size}-{group}".encode()))
     hkv = 2
     lengths = _lengths(page_size)
-    cache, layer, indptr, indices, last = _make_batch(recipe, head_dim, page_size, hkv, lengths, gen)
-    q = _rows(len(lengths), hkv * group, head_dim, gen)
+    batch = paged_batch(recipe, head_dim, page_size, hkv, lengths, gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    q = bf16_rows(len(lengths), hkv * group, head_dim, gen)
     w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, hkv * group, hkv, head_dim, page_size, recipe=recipe)
     assert w.backend == "cuda"
@@ -100,14 +69,15 @@ def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, share
 
 
 @pytest.mark.parametrize("recipe,group", list(itertools.product(RECIPES, (2, 6, 7))))
-def test_decode_remaining_group_sizes(recipe, group, shared_jit_cache):
+def test_decode_remaining_group_sizes(recipe, group, paged_batch, bf16_rows, shared_jit_cache):
     # Query heads are the N = 8 columns of the swapped MMAs: every group size maps heads to lanes
     # (2c, 2c + 1) differently; the parametrization above covers 1, 3, 4, 5, 8.
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"groups-{recipe}-{group}".encode()))
     hkv, head_dim, page_size = 2, 128, 16
     lengths = _lengths(page_size)
-    cache, layer, indptr, indices, last = _make_batch(recipe, head_dim, page_size, hkv, lengths, gen)
-    q = _rows(len(lengths), hkv * group, head_dim, gen)
+    batch = paged_batch(recipe, head_dim, page_size, hkv, lengths, gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    q = bf16_rows(len(lengths), hkv * group, head_dim, gen)
     w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, hkv * group, hkv, head_dim, page_size, recipe=recipe)
     o, lse = w.run(q, layer, return_lse=True)
@@ -117,12 +87,13 @@ def test_decode_remaining_group_sizes(recipe, group, shared_jit_cache):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_forced_num_splits_agree(recipe, shared_jit_cache):
+def test_forced_num_splits_agree(recipe, paged_batch, bf16_rows, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(3)
     hkv, group, d, p = 2, 4, 128, 16
     lengths = [1, 16, 1000, 4097, 64, 65]
-    cache, layer, indptr, indices, last = _make_batch(recipe, d, p, hkv, lengths, gen)
-    q = _rows(len(lengths), hkv * group, d, gen)
+    batch = paged_batch(recipe, d, p, hkv, lengths, gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    q = bf16_rows(len(lengths), hkv * group, d, gen)
     o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
     results = []
     for splits in (1, 2, 7, None):
@@ -139,7 +110,7 @@ def test_forced_num_splits_agree(recipe, shared_jit_cache):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_fixed_split_size_is_batch_invariant(recipe, shared_jit_cache):
+def test_fixed_split_size_is_batch_invariant(recipe, paged_batch, bf16_rows, shared_jit_cache):
     """fixed_split_size cuts each request the same way whatever the grid or the batch: outputs are
     bit-identical between the batch's own grid, a larger fixed grid (a CUDA graph's), a grid too small
     for the longest request (its remainder goes to the last split: correct, not bit-identical) and each
@@ -147,8 +118,9 @@ def test_fixed_split_size_is_batch_invariant(recipe, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"fixed-{recipe}".encode()))
     hkv, group, d, p = 2, 4, 128, 16
     lengths = [1, 16, 1000, 4097, 64, 65, 2500]
-    cache, layer, indptr, indices, last = _make_batch(recipe, d, p, hkv, lengths, gen)
-    q = _rows(len(lengths), hkv * group, d, gen)
+    batch = paged_batch(recipe, d, p, hkv, lengths, gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    q = bf16_rows(len(lengths), hkv * group, d, gen)
     o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
     ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
 
@@ -176,9 +148,10 @@ def test_fixed_split_size_is_batch_invariant(recipe, shared_jit_cache):
                                          fixed_split_size=100)
 
 
-def test_workspace_too_small_names_the_buffer(shared_jit_cache):
+def test_workspace_too_small_names_the_buffer(paged_batch, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(5)
-    cache, layer, indptr, indices, last = _make_batch("qk4pv8", 128, 16, 2, [4000, 4000], gen)
+    batch = paged_batch("qk4pv8", 128, 16, 2, [4000, 4000], gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
     w = mpfa.BatchDecodeWrapper(torch.empty(1024, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match="workspace_buffer"):
         w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=8)
@@ -196,14 +169,15 @@ def test_unbuilt_shapes_raise(shared_jit_cache):
         w.plan(indptr, idx, last, 8, 2, 256, 16, recipe="qk4pv8")     # head_dim 256
 
 
-def test_large_query_and_empty_request(shared_jit_cache):
+def test_large_query_and_empty_request(paged_batch, bf16_rows, shared_jit_cache):
     """|Q| beyond fp16's range takes the kernel's power-of-two prescale; a request with no pages gets
     O = 0 and LSE = -inf."""
     gen = torch.Generator(device="cuda").manual_seed(9)
     hkv, group, d, p = 2, 4, 128, 16
     lengths = [300, 77]
     for recipe in RECIPES:
-        cache, layer, indptr, indices, last = _make_batch(recipe, d, p, hkv, lengths, gen)
+        batch = paged_batch(recipe, d, p, hkv, lengths, gen)
+        layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
         q = (torch.randn(2, hkv * group, d, generator=gen, device="cuda") * 3e4).to(torch.bfloat16)
         w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, sm_scale=1e-4)
@@ -213,10 +187,11 @@ def test_large_query_and_empty_request(shared_jit_cache):
         _check(o, None, o_ref, lse_ref)
         assert torch.allclose(lse.double(), lse_ref, atol=1e-2, rtol=1e-4)
     # An empty request (0 pages, last_page_len 0) between two others.
-    cache, layer, indptr, indices, last = _make_batch("qk4pv8", d, p, hkv, [50, 20], gen)
+    batch = paged_batch("qk4pv8", d, p, hkv, [50, 20], gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
     indptr3 = torch.tensor([0, int(indptr[1]), int(indptr[1]), int(indptr[2])], dtype=torch.int32, device="cuda")
     last3 = torch.tensor([int(last[0]), 0, int(last[1])], dtype=torch.int32, device="cuda")
-    q = _rows(3, hkv * group, d, gen)
+    q = bf16_rows(3, hkv * group, d, gen)
     for splits in (1, 3):
         w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(indptr3, indices, last3, hkv * group, hkv, d, p, recipe="qk4pv8", num_splits=splits)
@@ -229,7 +204,7 @@ def test_large_query_and_empty_request(shared_jit_cache):
 
 @pytest.mark.parametrize("refresh", ["plan", "update_page_table", "split_size"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cache):
+def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shared_jit_cache):
     """Capture run once; then for 50 steps append a token per request, update the page table in
     place, refresh the wrapper (re-plan with the same num_splits, or update_page_table without a host
     sync, or that and a new fixed split size each step, as the SGLang backend does) and replay. Each
@@ -242,7 +217,7 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
     num_pages = sum(max_pages) + 3
     cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=num_pages, page_size=p, num_kv_heads=hkv, head_dim=d)
     layer = cache.layer(0)
-    cache.calibrate(0, _rows(256, hkv, d, gen), _rows(256, hkv, d, gen))
+    cache.calibrate(0, bf16_rows(256, hkv, d, gen), bf16_rows(256, hkv, d, gen))
     perm = torch.randperm(num_pages, generator=gen, device="cuda")
     owned, pos = [], 0
     for m in max_pages:
@@ -251,7 +226,7 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
     slots_of = [torch.stack([owned[b][t // p] * p + t % p for t in range(start[b] + steps)]) for b in range(batch)]
     for b in range(batch):   # the prefix
         n = start[b]
-        mpfa.append_kv(_rows(n, hkv, d, gen), _rows(n, hkv, d, gen), layer, slots_of[b][:n])
+        mpfa.append_kv(bf16_rows(n, hkv, d, gen), bf16_rows(n, hkv, d, gen), layer, slots_of[b][:n])
     indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
     indices = torch.zeros(sum(max_pages), dtype=torch.int32, device="cuda")
     last = torch.zeros(batch, dtype=torch.int32, device="cuda")
@@ -268,7 +243,7 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
     ws_graph = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
     w = mpfa.BatchDecodeWrapper(ws_graph)
     eager = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
-    q = _rows(batch, hkv * group, d, gen)
+    q = bf16_rows(batch, hkv * group, d, gen)
     out = torch.empty_like(q)
     split_size = (lambda step: 64 * (1 + step % 4)) if refresh == "split_size" else (lambda step: None)
     w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits,
@@ -280,10 +255,10 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, shared_jit_cach
         _, lse_g = w.run(q, layer, out=out, return_lse=True)
     for step in range(steps):
         for b in range(batch):   # one new token per request
-            mpfa.append_kv(_rows(1, hkv, d, gen), _rows(1, hkv, d, gen), layer, slots_of[b][lengths[b]:lengths[b] + 1])
+            mpfa.append_kv(bf16_rows(1, hkv, d, gen), bf16_rows(1, hkv, d, gen), layer, slots_of[b][lengths[b]:lengths[b] + 1])
             lengths[b] += 1
         update_tables()
-        q.copy_(_rows(batch, hkv * group, d, gen))
+        q.copy_(bf16_rows(batch, hkv * group, d, gen))
         if refresh == "plan":
             w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
         else:   # split sizes 64..256 over up to 350 tokens: 3 splits hold it or the last takes a remainder

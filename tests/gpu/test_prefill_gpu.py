@@ -36,14 +36,6 @@ RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 WORKSPACE = 128 << 20
 
 
-def _rows(n, heads, d, gen, scale=1.0, mean_channel=3):
-    """bf16 rows with outlier channels: one with a large mean, one with a large spread."""
-    x = torch.randn(n, heads, d, generator=gen, device="cuda") * scale
-    x[..., mean_channel] = x[..., mean_channel] * 20 + 40
-    x[..., d // 2 + 1] *= 30
-    return x.to(torch.bfloat16)
-
-
 def _requests(page_size):
     """(prefix, chunk) per request: prefixes not page-aligned, chunks crossing pages and Q tiles,
     a request with no prefix, one with an empty chunk, one-token chunks."""
@@ -51,33 +43,12 @@ def _requests(page_size):
     return [(0, 1), (3 * p + 5, 200), (37, 128), (300, 77), (0, 260), (p + 1, 0), (1000, 129), (5, 1)]
 
 
-def _make_batch(recipe, head_dim, page_size, num_kv_heads, requests, gen, extra_pages=5):
-    lengths = [a + b for a, b in requests]
-    pages_per = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages_per) + extra_pages
-    cache = mpfa.PagedKVCache(recipe, num_layers=2, num_pages=num_pages, page_size=page_size,
-                              num_kv_heads=num_kv_heads, head_dim=head_dim, device="cuda")
-    n_slots = num_pages * page_size
-    k = _rows(n_slots, num_kv_heads, head_dim, gen, mean_channel=5)
-    v = _rows(n_slots, num_kv_heads, head_dim, gen)
-    cache.calibrate(1, k[:256], v[:256])
-    layer = cache.layer(1)
-    mpfa.append_kv(k, v, layer, torch.arange(n_slots, device="cuda"))
-    perm = torch.randperm(num_pages, generator=gen, device="cuda")
-    indices = perm[: sum(pages_per)].to(torch.int32)
-    indptr = torch.tensor([0] + list(itertools.accumulate(pages_per)), dtype=torch.int32, device="cuda")
-    last = torch.tensor([n - (k - 1) * page_size if k else 0 for n, k in zip(lengths, pages_per)],
-                        dtype=torch.int32, device="cuda")
-    # Slots past each request's length in its last page hold NaN bytes: the kernel must not use them.
-    for b, n in enumerate(lengths):
-        if pages_per[b] == 0:
-            continue
-        page = int(indices[int(indptr[b + 1]) - 1])
-        off = n - (pages_per[b] - 1) * page_size
-        for t in layer.fields.values():
-            t[page, :, off:].view(torch.uint8).fill_(0xFF)
+def _make_batch(paged_batch, recipe, head_dim, page_size, num_kv_heads, requests, gen):
+    """The paged batch of (prefix, chunk) requests (tests/gpu/conftest.py: permuted pages, NaN bytes past each
+    request's length) and the chunks' qo_indptr."""
+    batch = paged_batch(recipe, head_dim, page_size, num_kv_heads, [a + b for a, b in requests], gen, k_mean_channel=5)
     qo = torch.tensor([0] + list(itertools.accumulate(c for _, c in requests)), dtype=torch.int32, device="cuda")
-    return layer, qo, indptr, indices, last, lengths
+    return batch.layer, qo, batch.indptr, batch.indices, batch.last, batch.lengths
 
 
 def _references(q, qo, layer, indptr, indices, lengths, *, recipe, causal, compensation, sm_scale=None):
@@ -129,13 +100,15 @@ CASES = ([(128, p, 4) for p in (1, 16, 32, 64)] + [(128, 16, g) for g in (1, 3, 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("head_dim,page_size,group", CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_matches_references(recipe, head_dim, page_size, group, causal, shared_jit_cache):
+def test_prefill_matches_references(recipe, head_dim, page_size, group, causal, paged_batch, bf16_rows,
+                                    shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(
         zlib.crc32(f"{recipe}-{head_dim}-{page_size}-{group}-{causal}".encode()))
     hkv = 2
     requests = _requests(page_size)
-    layer, qo, indptr, indices, last, lengths = _make_batch(recipe, head_dim, page_size, hkv, requests, gen)
-    q = _rows(int(qo[-1]), hkv * group, head_dim, gen)
+    layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, head_dim, page_size, hkv, requests,
+                                                            gen)
+    q = bf16_rows(int(qo[-1]), hkv * group, head_dim, gen)
     for compensation in ((True, False) if recipe != "bf16" else (True,)):
         w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=causal, recipe=recipe,
@@ -151,13 +124,13 @@ def test_prefill_matches_references(recipe, head_dim, page_size, group, causal, 
 
 
 @pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
-def test_compensation_helps_on_q_with_a_large_mean(recipe, shared_jit_cache):
+def test_compensation_helps_on_q_with_a_large_mean(recipe, paged_batch, shared_jit_cache):
     """Q with a large common mean on every channel: Q smoothing + compensation must not be worse
     than plain per-tile quantization (the design's point); both stay within the reference bound."""
     gen = torch.Generator(device="cuda").manual_seed(11)
     hkv, group, d, p = 2, 4, 128, 16
     requests = [(500, 384), (64, 300)]
-    layer, qo, indptr, indices, last, lengths = _make_batch(recipe, d, p, hkv, requests, gen)
+    layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, d, p, hkv, requests, gen)
     q = (torch.randn(int(qo[-1]), hkv * group, d, generator=gen, device="cuda") * 0.5
          + 6 * torch.randn(1, hkv * group, d, generator=gen, device="cuda")).to(torch.bfloat16)
     errs = {}
@@ -173,13 +146,13 @@ def test_compensation_helps_on_q_with_a_large_mean(recipe, shared_jit_cache):
     assert errs[True] <= errs[False] * 1.05, errs
 
 
-def test_sm_scale_and_default_out(shared_jit_cache):
+def test_sm_scale_and_default_out(paged_batch, bf16_rows, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(5)
     hkv, group, d, p = 2, 2, 128, 32
     requests = [(100, 150), (0, 33)]
     for recipe in RECIPES:
-        layer, qo, indptr, indices, last, lengths = _make_batch(recipe, d, p, hkv, requests, gen)
-        q = _rows(int(qo[-1]), hkv * group, d, gen)
+        layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, d, p, hkv, requests, gen)
+        q = bf16_rows(int(qo[-1]), hkv * group, d, gen)
         w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(qo, indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, sm_scale=0.03)
         o, lse = w.run(q, layer, return_lse=True)

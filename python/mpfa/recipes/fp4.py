@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import E4M3_DTYPE, amax_scale, quantize_e4m3
+from .fp8 import E4M3_DTYPE, amax_scale, quantize_e4m3, row_scale
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -122,6 +122,9 @@ def quantize_k4rs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     under the same token scale. Every stored value (times its block scale) is then an E4M3 number, so a K
     row is one E4M3 MMA operand with one scale per key.
 
+    A row holding NaN or inf gets a NaN token scale (:func:`row_scale`; its E4M3 bytes are then E4M3 NaN,
+    its 4-bit codes and block scales unspecified: the kernel's need not match them).
+
     Returns ``(k8 uint8 E4M3 [..., D/2], packed uint8 [..., D/4], block_scale uint8 E4M3 [..., D/32],
     token_scale float32 [...])``.
     """
@@ -130,7 +133,7 @@ def quantize_k4rs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         raise ValueError(f"head_dim must be a multiple of {4 * BLOCK} for qk4pv8's K, got {d}")
     x = x.float()
     low = rope_low_channels(d).to(x.device)
-    token_scale = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET)
+    token_scale = row_scale(x.abs().amax(dim=-1), TOKEN_TARGET)
     ts = token_scale.unsqueeze(-1)
     k8 = quantize_e4m3(x[..., low], ts).view(torch.uint8)
     packed, block_scale = _quantize_blocks(x[..., ~low], ts)

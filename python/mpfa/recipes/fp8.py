@@ -16,9 +16,20 @@ def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
 
     One correctly rounded reciprocal per scale and a multiply per element: the kernels do exactly
     this (a division per element would make the append kernel compute-bound)."""
+    return _scaled(x, scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+
+
+def quantize_e4m3_fixed_scale(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """:func:`quantize_e4m3` for values under a fixed scale (V's channel scales): a NaN or infinite
+    element of ``x`` is stored as E4M3 NaN, where saturating an infinity to +-448 would store a fault
+    as a plausible value. Finite values saturate as in :func:`quantize_e4m3`, overflow included."""
+    y = _scaled(x, scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return torch.where(torch.isfinite(x), y, torch.full_like(y, float("nan"))).to(E4M3_DTYPE)
+
+
+def _scaled(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     inv = 1.0 / (scale.float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale)))
-    y = x.float() * inv.to(x.device)
-    return y.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
+    return x.float() * inv.to(x.device)
 
 
 def dequantize_e4m3(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -36,13 +47,22 @@ def amax_scale(amax: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:
     return torch.where(amax > 0, amax / target, torch.ones_like(amax))
 
 
+def row_scale(amax: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:
+    """:func:`amax_scale` of K rows, NaN where a row holds a NaN or an infinity (its amax is then NaN or
+    inf): every value stored under that scale dequantizes to NaN, so attention propagates the fault
+    instead of reading a finite key."""
+    amax = amax.float()
+    return torch.where(torch.isfinite(amax), amax_scale(amax, target), torch.full_like(amax, float("nan")))
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups the last dimension: one scale per row (per token and head), max maps to 448.
 
     Used for K in ``qk8pv8``: a per-key scale multiplies one column of S = Q K^T, so it is applied
-    after the MMA in the same FMA that scales the scores.
+    after the MMA in the same FMA that scales the scores. A row holding NaN or inf gets a NaN scale
+    (:func:`row_scale`).
     """
-    scale = amax_scale(x.float().abs().amax(dim=-1))
+    scale = row_scale(x.float().abs().amax(dim=-1))
     return quantize_e4m3(x, scale.unsqueeze(-1)), scale
 
 

@@ -1,10 +1,17 @@
-"""Reference of the append kernel: quantize new K/V rows with the recipe and scatter them into pages."""
+"""Reference of the append kernel: quantize new K/V rows with the recipe and scatter them into pages.
+
+Non-finite input, as the kernel (templates/include/mpfa/append/quantize_row.cuh) stores it: a K row
+(token, head; after - mu_K) holding NaN or +-inf gets a NaN ``k_scale``, so the key reads back as NaN;
+its E4M3 K bytes are E4M3 NaN, its 4-bit codes and block scales (qk4pv8) unspecified. An FP8 V element
+that is NaN or infinite is stored as E4M3 NaN (0x7F or 0xFF); finite values saturate at +-448. bf16
+fields keep the values as given.
+"""
 from __future__ import annotations
 
 import torch
 
 from ..recipes.fp4 import quantize_k4rs
-from ..recipes.fp8 import quantize_e4m3, quantize_per_token
+from ..recipes.fp8 import quantize_e4m3_fixed_scale, quantize_per_token
 
 
 def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> dict[str, torch.Tensor]:
@@ -12,7 +19,7 @@ def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> di
     if recipe.name == "bf16":
         return {"k": k.to(torch.bfloat16), "v": v.to(torch.bfloat16)}
     ks = k.float() - mu_k
-    out = {"v": quantize_e4m3(v.float(), v_scale).view(torch.uint8)}
+    out = {"v": quantize_e4m3_fixed_scale(v.float(), v_scale).view(torch.uint8)}
     if recipe.name == "qk8pv8":
         q, scale = quantize_per_token(ks)
         out.update(k=q.view(torch.uint8), k_scale=scale)
@@ -24,8 +31,20 @@ def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> di
     return out
 
 
+def check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    """Raise ValueError naming ``slots`` unless every slot is below ``num_slots`` (negative: padding)."""
+    bad = slots >= num_slots
+    n = int(bad.sum())
+    if n:
+        raise ValueError(f"slots must lie in [0, {num_slots}) (num_pages * page_size of one layer) or be negative "
+                         f"(-1: padding, writes nothing); got {n} slot(s) >= {num_slots}, the largest "
+                         f"{int(slots.max())}")
+
+
 def reference_append(k: torch.Tensor, v: torch.Tensor, layer, slots: torch.Tensor) -> None:
-    """Write rows ``k, v [N, H, D]`` to ``layer`` at ``slots`` (negative slots are skipped)."""
+    """Write rows ``k, v [N, H, D]`` to ``layer`` at ``slots`` (negative slots are skipped); raises
+    ValueError, writing nothing, if a slot is at or past the layer's ``num_pages * page_size``."""
+    check_slots(slots, layer.cache.num_slots)
     keep = slots >= 0
     slots = slots[keep].long()
     if slots.numel() == 0:

@@ -5,7 +5,7 @@
 //   struct DecodeParams { MPFA_DECODE_PARAMS(MPFA_DECLARE_FIELD) };
 //   MPFA_EXPORT_PARAMS_LAYOUT(mpfa_decode_params_layout, DecodeParams, MPFA_DECODE_PARAMS)
 //
-// The exported function returns "<sizeof> name@offset name@offset ..."; mpfa_jit.abi builds the same
+// The exported function returns "<sizeof> name@offset:size ..."; mpfa_jit.abi builds the same
 // text from the ctypes.Structure mirror in mpfa_jit/ops/<op>.py and refuses to call a library whose
 // struct differs (a field added on one side only, reordered, or of another width).
 #pragma once
@@ -15,8 +15,9 @@
 #include "mpfa/common.cuh"
 
 #define MPFA_DECLARE_FIELD(type, name) type name;
-#define MPFA_DESCRIBE_FIELD(type, name) \
-  n += std::snprintf(buf + n, sizeof(buf) - n, " %s@%zu", #name, offsetof(Self, name));
+#define MPFA_DESCRIBE_FIELD(type, name)                                                   \
+  n += std::snprintf(buf + n, sizeof(buf) - n, " %s@%zu:%zu", #name, offsetof(Self, name), \
+                     sizeof(static_cast<Self*>(nullptr)->name));
 
 #define MPFA_EXPORT_PARAMS_LAYOUT(symbol, S, LIST)                                  \
   MPFA_EXPORT const char* symbol() {                                                \

@@ -35,6 +35,15 @@ inline int sm_count(int device) {
 template <int N>
 struct alignas(N) Bytes { uint8_t b[N]; };
 
+// max(a, b) that returns NaN when either is NaN (max.NaN.f32: one FMNMX.NAN, as fmaxf is one FMNMX). A softmax
+// whose scores are all NaN (a NaN query) must not read its row maximum as -inf ("no key") and write zeros; an
+// amax built with it is NaN or inf exactly when the group holds a NaN or an infinity.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // 2^x in one MUFU.EX2, flushing denormal results to 0 (exp2f adds range fix-ups around it). Softmax
 // probabilities below 2^-126 are 0 in the fp16 / FP8 P the kernels multiply anyway, and far below half
 // an ulp of a row sum that holds a 1.

@@ -1,8 +1,10 @@
 // Device-side quantizers of the cache formats. They mirror python/mpfa/recipes/{fp8,fp4}.py
 // operation for operation (same float ops in the same order), so the bytes match the reference.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cstdint>
+#include "mpfa/common.cuh"
 
 namespace mpfa {
 
@@ -25,6 +27,22 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
 // The scale that maps amax to target; an all-zero group keeps scale 1.
 __device__ __forceinline__ float amax_scale(float amax, float target) {
   return amax > 0.f ? amax / target : 1.f;
+}
+
+// amax_scale for a row's amax taken with max_nan: NaN when the row holds a NaN or an infinity, so every
+// value stored under that scale dequantizes to NaN and attention propagates it (recipes/fp8.py row_scale).
+// A NaN amax fails `amax <= 0` and takes the division, which keeps it NaN; s * 0 + s is s for every finite
+// s and NaN for an infinite one.
+__device__ __forceinline__ float amax_scale_or_nan(float amax, float target) {
+  const float s = !(amax <= 0.f) ? amax / target : 1.f;
+  return __fmaf_rn(s, 0.f, s);
+}
+
+// Two bf16 values as they are, but NaN where one is +-inf: for values quantized with a fixed scale, whose
+// E4M3 conversion would saturate an infinity to +-448 and so store a fault as a plausible value. x * 0 + x
+// is exactly x for every finite x (-0 included) and NaN for an infinite one: one bf16x2 FMA for two values.
+__device__ __forceinline__ __nv_bfloat162 infinities_to_nan(__nv_bfloat162 x) {
+  return __hfma2(x, __float2bfloat162_rn(0.f), x);
 }
 
 // Smallest allowed block scale (2^e or 1.5*2^e, products with E2M1 exact in E4M3) >= need, on the

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mpfa_jit import env as jit_env
+from mpfa_jit import UnknownKernelError, env as jit_env
 
 from .validation import check_choice, check_vector_rows
 
@@ -25,6 +25,15 @@ def resolve(backend: str, device: torch.device) -> str:
                          f"({', '.join(jit_env.SUPPORTED_ARCHS)}); pass backend='reference' for the PyTorch reference")
     jit_env.target_arch(device)   # raises UnsupportedArchError on a GPU without kernels
     return "cuda"
+
+
+def with_reference_hint(spec_fn, **params):
+    """``spec_fn(**params)`` (an op's spec, which raises for a specialization mpfa does not build), its error
+    naming the reference backend as the way to run such a shape anyway."""
+    try:
+        return spec_fn(**params)
+    except UnknownKernelError as e:
+        raise UnknownKernelError(f"{e}; pass backend='reference' for the PyTorch reference") from None
 
 
 def kernel_arch(device: torch.device) -> str:

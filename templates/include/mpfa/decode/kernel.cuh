@@ -1,0 +1,132 @@
+// The decode kernel: one CTA (kWarps warps) per (split, KV head, request) attends the query heads of one
+// KV head over one split of the request's kTile-token tiles (schedule.cuh).
+//
+// Pipeline: kStages shared-memory stages of kTile tokens (every field of one head), filled with cp.async
+// (tile_loads.cuh); tokens past the length are zero-filled. Page ids of the tile after next are read
+// into a small shared ring one iteration ahead, so no global-load latency sits in front of the
+// cp.async issue. Warp w takes tokens [16w, 16w+16) of each stage: QK MMA, online softmax, PV MMA
+// (mma.cuh, softmax.cuh); the warps' states are combined at the end (epilogue.cuh).
+#pragma once
+#include <cuda_bf16.h>
+#include <math_constants.h>
+#include <cstdint>
+#include "mpfa/decode/config.cuh"
+#include "mpfa/decode/epilogue.cuh"
+#include "mpfa/decode/mma.cuh"
+#include "mpfa/decode/params.cuh"
+#include "mpfa/decode/schedule.cuh"
+#include "mpfa/decode/softmax.cuh"
+#include "mpfa/decode/tile_loads.cuh"
+#include "mpfa/mma_frag.cuh"
+
+namespace {
+
+__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint32_t* ids_ring = reinterpret_cast<uint32_t*>(smem + (kSmemBytes - kIdsBytes));
+  // The CTA's shared window base for the copies, computed once: derived at each use, it cost an S2R
+  // of the CTA's cluster id + MOV + LEA at the ring write and again at the copy issue, per iteration.
+  uint32_t smem_base;
+  asm volatile("mov.u32 %0, %1;\n" : "=r"(smem_base) : "r"(mpfa::smem_u32(smem)));
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+  const int hq0 = h * kGroup;
+  const int batch = gridDim.z;
+
+  // --- this CTA's range of tiles, from device memory (graph replays see new lengths) ---
+  const SplitRange range = split_range(p, split, b);
+  const int page_begin = range.page_begin, num_pages = range.num_pages, kv_len = range.kv_len;
+  const int tile_begin = range.tile_begin, n_iter = range.n_iter;
+  if (n_iter == 0 && split > 0) {
+    // Nothing to attend (a fixed split size leaves a CUDA graph's grid partly empty): the merge skips a
+    // split whose LSE is -inf without reading its O, so that is all this CTA writes.
+    if (tid < kGroup) p.lse_part[(int64_t(split) * batch + b) * (p.num_kv_heads * kGroup) + hq0 + tid] = -CUDART_INF_F;
+    return;
+  }
+
+  uint32_t qf[kHeadDim / 8];
+  const float q_unscale = load_q_fragment(p, b, hq0, g, c, qf);
+  const float col_scale = p.score_scale * q_unscale;
+
+  // --- page ring: ph = page_id * num_kv_heads + h locates this head's run of a page in every field ---
+  const uint32_t Hkv = uint32_t(p.num_kv_heads);
+  auto tile_valid = [&](int tile) { int n = kv_len - tile * kTile; return n < 0 ? 0 : (n > kTile ? kTile : n); };
+  auto fetch_ids = [&](int it) -> uint32_t {   // ph this thread stores for iteration `it` (or 0)
+    const int tile = tile_begin + it;
+    if (tid < kPagesPerTile && it < n_iter) {
+      const int pg = tile * kPagesPerTile + tid;
+      return pg < num_pages ? uint32_t(p.indices[page_begin + pg]) * Hkv + uint32_t(h) : 0u;
+    }
+    return 0u;
+  };
+  FullTileCopier copier(p, smem);
+  auto issue = [&](int it) {
+    if (it < n_iter) {
+      const int valid = tile_valid(tile_begin + it);
+      const uint32_t* ph = ids_ring + (it & 1) * kPagesPerTile;
+      const uint32_t st = smem_base + (it % kStages) * kStageBytes;
+      if (valid == kTile) copier.copy(st, ph);
+      else load_partial_tile(st, p, ph, valid);
+    }
+    mpfa::cp_async_commit();
+  };
+
+  // Online-softmax state of this thread's two heads 2c, 2c+1 (identical across g after reductions;
+  // l_run is this thread's partial sum, reduced over g at the end).
+  float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
+  // O^T accumulators: acc[mt] = rows (channels) g*kDV + 2mt (c0, c1) and g*kDV + 2mt + 1 (c2, c3),
+  // columns (heads) 2c (c0, c2) and 2c + 1 (c1, c3).
+  float acc[kMT][4];
+#pragma unroll
+  for (int j = 0; j < kMT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  // Token rows of this thread within its warp's 16: MMA rows g -> tA = 4(g/2) + g%2, rows g+8 -> tA + 2.
+  // g / 2 is passed to pv_accumulate as a value, not recomputed there: a callee is simplified before it is
+  // inlined, and its own g >> 1 would be folded into its shifts (two instructions more per kernel).
+  const int g_half = g >> 1;
+  const int tA = g_half * 4 + (g & 1);
+
+  if (n_iter > 0) {
+    // Iterations 0 .. kStages-2 are issued in the prologue: each needs its ids in the ring first.
+    for (int it = 0; it < kStages - 1; ++it) {
+      if (tid < kPagesPerTile) ids_ring[(it & 1) * kPagesPerTile + tid] = fetch_ids(it);
+      __syncthreads();
+      issue(it);
+      __syncthreads();   // the next ring write reuses slot (it + 1) & 1 == (it - 1) & 1
+    }
+    uint32_t next_id = fetch_ids(kStages - 1);
+
+    for (int it = 0; it < n_iter; ++it) {
+      if (tid < kPagesPerTile) ids_ring[((it + kStages - 1) & 1) * kPagesPerTile + tid] = next_id;
+      mpfa::cp_async_wait<kStages - 2>();
+      __syncthreads();   // stage `it` landed for all threads; stage it-1 fully consumed; ids visible
+      issue(it + kStages - 1);
+      next_id = fetch_ids(it + kStages);
+
+      const uint8_t* st = smem + (it % kStages) * kStageBytes;
+      const int valid = tile_valid(tile_begin + it);
+      if (valid < kTile) {
+        // The last tile: V rows past the length must be exactly zero (P is 0 there, and 0 * NaN from a
+        // stale or poisoned byte would be NaN). Seen on the H200: relying on cp.async's zero-fill alone
+        // let poisoned tail bytes through in this kernel; plain stores make it explicit.
+        const uint32_t vt = mpfa::smem_u32(st) + kOffV;   // 32-bit shared address: no 64-bit pointer live
+#pragma unroll 1
+        for (int o = valid * Layout::v_bytes + tid * 16; o < kTile * Layout::v_bytes; o += kThreads * 16)
+          asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n" ::"r"(vt + o), "r"(0) : "memory");
+        __syncthreads();
+      }
+      const int wrow = 16 * warp;
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+      qk_scores(st, wrow, tA, c, qf, s);
+      float pr[4];
+      softmax_update(st, wrow, tA, valid, col_scale, s, m_run, l_run, acc, pr);
+      pv_accumulate(st, wrow, g, g_half, c, pr, acc);
+    }
+  }
+  mpfa::cp_async_wait<0>();
+  __syncthreads();   // every stage consumed: the stage buffers become the combine area
+
+  write_output(p, smem, tid, warp, g, c, split, b, h, hq0, batch, m_run, l_run, acc);
+}
+
+}  // namespace

@@ -1,0 +1,213 @@
+// The two tensor-core products of a decode tile, run "swapped" (mma.sync m16n8k16 with the G <= 8
+// query heads as N = 8, so no row is padding), and the register fragments they take:
+//   S^T = K Q^T: A = 16 tokens x 16 dims of K (rows g -> token tA(g) = 4(g/2) + g%2, rows g+8 ->
+//     tA(g) + 2), B = Q^T held in registers for the whole kernel. The reduction (head_dim) is permuted
+//     so each thread's K operand is a contiguous quarter of the row (one 16-byte shared load).
+//     Quantized K is dequantized in registers to fp16 *without* its per-token scale (exact: e4m3, or
+//     e2m1 * block scale); the token scale, sm_scale and log2(e) multiply the score rows afterwards
+//     (softmax.cuh).
+//   O^T += V^T P^T: B = P^T, the S^T accumulator packed to fp16 (bf16 for the bf16 recipe) and
+//     transposed per 8x8 half with movmatrix; A = V^T (e4m3 -> fp16 exact, or bf16): thread (g, c)
+//     reads token rows 4c..4c+3 and channels [g*D/8, (g+1)*D/8) and pairs bytes of two rows with prmt.
+//     V's per-channel scale multiplies O at the end (epilogue.cuh).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include "mpfa/decode/config.cuh"
+#include "mpfa/decode/params.cuh"
+#include "mpfa/mma_frag.cuh"
+
+namespace {
+
+// B bytes (16, 8 or 4) of shared memory as 32-bit words.
+template <int B>
+__device__ __forceinline__ void load_words(const uint8_t* src, uint32_t (&w)[B / 4]) {
+  if constexpr (B == 16) {
+    const uint4 t = *reinterpret_cast<const uint4*>(src);
+    w[0] = t.x; w[1] = t.y; w[2] = t.z; w[3] = t.w;
+  } else if constexpr (B == 8) {
+    const uint2 t = *reinterpret_cast<const uint2*>(src);
+    w[0] = t.x; w[1] = t.y;
+  } else {
+    static_assert(B == 4, "4, 8 or 16 bytes");
+    w[0] = *reinterpret_cast<const uint32_t*>(src);
+  }
+}
+
+// Physical channel of the thread's local K dim l (quad lane c).
+__device__ __forceinline__ int k_dim(int c, int l) {
+  if constexpr (Layout::kSplitK) {
+    // local dims [0, kK8B): k8 byte c kK8B + l (a low-frequency channel); then kK8B nibble channels
+    constexpr int kHalf = kHeadDim / 2, kQuarter = kHeadDim / 4;
+    const int low = l < kK8B;
+    const int idx = c * kK8B + (low ? l : l - kK8B);                       // position within its half
+    return (idx / kQuarter) * kHalf + (low ? kQuarter : 0) + idx % kQuarter;
+  } else {
+    return (c + 4 * (l / kKChunkDims)) * kKChunkDims + (l % kKChunkDims);
+  }
+}
+
+// Q^T as the QK MMA's B operand: head g (of the CTA's kGroup, zeros past it), this thread's kHeadDim/4
+// channels (permuted like K). Returns the factor that undoes Q's power-of-two prescale.
+__device__ __forceinline__ float load_q_fragment(const DecodeParams& p, int b, int hq0, int g, int c,
+                                                 uint32_t (&qf)[kHeadDim / 8]) {
+  float q_unscale = 1.f;
+  uint4 raw[kHeadDim / 32];
+#pragma unroll
+  for (int v = 0; v < kHeadDim / 32; ++v) {
+    raw[v] = make_uint4(0, 0, 0, 0);
+    if (g < kGroup)
+      raw[v] = *reinterpret_cast<const uint4*>(p.q + b * p.q_stride_b + (hq0 + g) * p.q_stride_h + k_dim(c, 8 * v));
+  }
+  if constexpr (kQuant) {
+    float amax = 0.f;
+#pragma unroll
+    for (int v = 0; v < kHeadDim / 32; ++v) {
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[v]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h2[i]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    // fp16 holds bf16 exactly in its normal range; a power of two keeps |Q| <= 2^13 (|K| <= 448).
+    const float qs = amax > 8192.f ? exp2f(-ceilf(log2f(amax / 8192.f))) : 1.f;
+    q_unscale = 1.f / qs;
+#pragma unroll
+    for (int v = 0; v < kHeadDim / 32; ++v) {
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw[v]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // 4-bit K words come out of the dequant in the channel pairs e2m1x8_pair_lo/hi; Q follows
+        // (qk4pv8: only the nibble dims, local dims kK8B and up).
+        const bool nibbles = Layout::kSplitK && 8 * v >= kK8B;
+        const int lo = nibbles ? mpfa::e2m1x8_pair_lo(i) : 2 * i;
+        const int hi = nibbles ? mpfa::e2m1x8_pair_hi(i) : 2 * i + 1;
+        qf[4 * v + i] = mpfa::pack_f16x2(__bfloat162float(h[lo]) * qs, __bfloat162float(h[hi]) * qs);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < kHeadDim / 32; ++v) {
+      qf[4 * v] = raw[v].x; qf[4 * v + 1] = raw[v].y; qf[4 * v + 2] = raw[v].z; qf[4 * v + 3] = raw[v].w;
+    }
+  }
+  return q_unscale;
+}
+
+// S^T = K Q^T for the warp's 16 tokens of stage st: A = K (rows: tokens tA, tA + 2), B = Q^T.
+// s (zeroed by the caller): (tA, 2c), (tA, 2c+1), (tA+2, 2c), (tA+2, 2c+1), before any scale.
+__device__ __forceinline__ void qk_scores(const uint8_t* st, int wrow, int tA, int c,
+                                          const uint32_t (&qf)[kHeadDim / 8], float (&s)[4]) {
+  if constexpr (Layout::kWholeK) {
+    uint32_t kw[2][kKWords];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + tA + 2 * r;
+      const uint8_t* krow = st + kOffK + row * Layout::k_bytes;
+#pragma unroll
+      for (int i = 0; i < kKB / 16; ++i) {
+        const uint4 t = *reinterpret_cast<const uint4*>(krow + (((c + 4 * i) ^ k_swizzle(row)) << 4));
+        kw[r][4 * i] = t.x; kw[r][4 * i + 1] = t.y; kw[r][4 * i + 2] = t.z; kw[r][4 * i + 3] = t.w;
+      }
+    }
+    if constexpr (!kQuant) {
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks)
+        mpfa::mma_bf16(s, kw[0][2 * ks], kw[1][2 * ks], kw[0][2 * ks + 1], kw[1][2 * ks + 1], qf[2 * ks],
+                       qf[2 * ks + 1]);
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks)
+        mpfa::mma_f16(s, mpfa::e4m3x2_to_f16x2(kw[0][ks]), mpfa::e4m3x2_to_f16x2(kw[1][ks]),
+                      mpfa::e4m3x2_hi_to_f16x2(kw[0][ks]), mpfa::e4m3x2_hi_to_f16x2(kw[1][ks]), qf[2 * ks],
+                      qf[2 * ks + 1]);
+    }
+  } else {
+    // qk4pv8: the thread's kK8B E4M3 bytes (the qk8pv8 path), then its kK8B nibbles, all in one block
+    // (c * kK8B / 16) whose scale * 2^6 (exact in fp16: <= 4096) multiplies the E2M1 values dequantized
+    // with 2^-6, so K is bit-identical to e2m1 * block_scale.
+    uint32_t k8w[2][kK8B / 4], k4w[2][kK4B / 4], bsm[2];
+    const uint32_t k64 = 0x54005400u;   // fp16 64.0 in both halves
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + tA + 2 * r;
+      load_words<kK8B>(st + kOffK8 + row * Layout::k8_bytes + c * kK8B, k8w[r]);
+      load_words<kK4B>(st + kOffK + row * Layout::k_bytes + c * kK4B, k4w[r]);
+      const uint32_t bs = st[kOffBs + row * Layout::k_block_scale_bytes + c * kK8B / 16];
+      bsm[r] = mpfa::hmul2_u32(mpfa::e4m3x2_to_f16x2(bs | (bs << 8)), k64);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kK8B / 4; ++ks)
+      mpfa::mma_f16(s, mpfa::e4m3x2_to_f16x2(k8w[0][ks]), mpfa::e4m3x2_to_f16x2(k8w[1][ks]),
+                    mpfa::e4m3x2_hi_to_f16x2(k8w[0][ks]), mpfa::e4m3x2_hi_to_f16x2(k8w[1][ks]), qf[2 * ks],
+                    qf[2 * ks + 1]);
+    constexpr int q0 = kK8B / 2;   // Q registers of the nibble dims
+#pragma unroll
+    for (int w = 0; w < kK4B / 4; ++w) {
+      uint32_t ka[4], kb[4];
+      mpfa::e2m1x8_to_f16x2_scaled(k4w[0][w], ka);
+      mpfa::e2m1x8_to_f16x2_scaled(k4w[1][w], kb);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        ka[i] = mpfa::hmul2_u32(ka[i], bsm[0]);
+        kb[i] = mpfa::hmul2_u32(kb[i], bsm[1]);
+      }
+      // word w holds nibble dims 8w..8w+7; k-step 2w takes the pairs (0, 2) and (4, 6) of them,
+      // k-step 2w+1 the pairs (1, 3) and (5, 7) (Q is packed in the same pairs)
+      mpfa::mma_f16(s, ka[0], kb[0], ka[1], kb[1], qf[q0 + 4 * w], qf[q0 + 4 * w + 1]);
+      mpfa::mma_f16(s, ka[2], kb[2], ka[3], kb[3], qf[q0 + 4 * w + 2], qf[q0 + 4 * w + 3]);
+    }
+  }
+}
+
+// O^T += V^T P^T: B = P^T (k = tokens, n = heads) by an 8x8 transpose of each P half; pr as softmax_update
+// leaves it (tokens tA, tA + 2 of heads 2c, 2c + 1). g_half = g / 2.
+__device__ __forceinline__ void pv_accumulate(const uint8_t* st, int wrow, int g, int g_half, int c,
+                                              const float (&pr)[4], float (&acc)[kMT][4]) {
+  const uint32_t b0 = mpfa::movmatrix_trans(kQuant ? mpfa::pack_f16x2(pr[0], pr[1]) : mpfa::pack_bf16x2(pr[0], pr[1]));
+  const uint32_t b1 = mpfa::movmatrix_trans(kQuant ? mpfa::pack_f16x2(pr[2], pr[3]) : mpfa::pack_bf16x2(pr[2], pr[3]));
+  // b0: tokens tA(2c) = 4c, tA(2c+1) = 4c+1 of head g; b1: tokens 4c+2, 4c+3. A = V^T: thread (g, c)
+  // reads rows 4c..4c+3 of its warp's 16, channels [g*kDV, (g+1)*kDV).
+  uint32_t vw[4][kVWords];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = wrow + 4 * c + r;
+    const uint8_t* vrow = st + kOffV + row * Layout::v_bytes;
+    if constexpr (kVB == 8) {
+      const int chunk = g_half;
+      const uint2 t = *reinterpret_cast<const uint2*>(vrow + ((chunk ^ v_swizzle(row)) << 4) + (g & 1) * 8);
+      vw[r][0] = t.x; vw[r][1] = t.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVB / 16; ++i) {
+        const int chunk = g * (kVB / 16) + i;
+        const uint4 t = *reinterpret_cast<const uint4*>(vrow + ((chunk ^ v_swizzle(row)) << 4));
+        vw[r][4 * i] = t.x; vw[r][4 * i + 1] = t.y; vw[r][4 * i + 2] = t.z; vw[r][4 * i + 3] = t.w;
+      }
+    }
+  }
+  // m-tile mt: A rows g -> channel g*kDV + 2mt, rows g+8 -> channel g*kDV + 2mt + 1.
+  if constexpr (kQuant) {
+#pragma unroll
+    for (int w = 0; w < kVWords; ++w) {
+      // bytes [row0 j, row1 j] for channels j = 4w .. 4w+3
+      const uint32_t lo01 = mpfa::prmt(vw[0][w], vw[1][w], 0x5140), hi01 = mpfa::prmt(vw[0][w], vw[1][w], 0x7362);
+      const uint32_t lo23 = mpfa::prmt(vw[2][w], vw[3][w], 0x5140), hi23 = mpfa::prmt(vw[2][w], vw[3][w], 0x7362);
+      mpfa::mma_f16(acc[2 * w], mpfa::e4m3x2_to_f16x2(lo01), mpfa::e4m3x2_hi_to_f16x2(lo01),
+                    mpfa::e4m3x2_to_f16x2(lo23), mpfa::e4m3x2_hi_to_f16x2(lo23), b0, b1);
+      mpfa::mma_f16(acc[2 * w + 1], mpfa::e4m3x2_to_f16x2(hi01), mpfa::e4m3x2_hi_to_f16x2(hi01),
+                    mpfa::e4m3x2_to_f16x2(hi23), mpfa::e4m3x2_hi_to_f16x2(hi23), b0, b1);
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < kVWords; ++w)
+      mpfa::mma_bf16(acc[w], mpfa::prmt(vw[0][w], vw[1][w], 0x5410), mpfa::prmt(vw[0][w], vw[1][w], 0x7632),
+                     mpfa::prmt(vw[2][w], vw[3][w], 0x5410), mpfa::prmt(vw[2][w], vw[3][w], 0x7632), b0, b1);
+  }
+}
+
+}  // namespace

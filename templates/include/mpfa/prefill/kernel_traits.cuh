@@ -1,0 +1,90 @@
+// Tile sizes, the tile images' byte layout and the main kernel's shared-memory layout, derived from the
+// specialization constants prefill.cu.jinja defines before including this header: kRecipe, kHeadDim,
+// kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows (mpfa_jit/ops/prefill.py) and the study knobs
+// kFacVec, kStages, kPingPong, kPolyEvery, kPersistent (benchmarks/prefill_variants.py).
+#pragma once
+#include <cstdint>
+#include "mpfa/cache_layout.cuh"
+#include "mpfa/quant.cuh"
+#ifndef MPFA_PREFILL_SPECIALIZATION
+#include "mpfa/prefill/editor_defaults.cuh"
+#endif
+
+namespace {
+
+// Quantized recipes run FP8 MMAs (QGMMA) on e4m3 Q, K, P and V; bf16 runs HGMMA.
+constexpr bool kQuant = Layout::kQuantK;
+static_assert(Layout::kQuantK == Layout::kQuantV, "the FP8 path quantizes K and V together");
+static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+
+constexpr int kE = kQuant ? 1 : 2;                  // bytes per MMA element
+constexpr int kQKRow = kHeadDim * kE;               // bytes per row of the Q and K MMA tiles
+constexpr int kW = kQKRow < 128 ? kQKRow : 128;     // their swizzle width
+// V^T rows (channels) of kBN keys: 128 bytes for FP8, 256 for bf16 (two 128-byte column blocks, like K's
+// rows, so that bf16 keeps 128-key tiles and pays each tile's fixed costs as often as FP8).
+constexpr int kVtRow = kBN * kE;
+constexpr int kKSteps = kQKRow / 32;                // 32-byte k-steps of the QK MMA
+constexpr int kPK = kQuant ? kBN / 32 : kBN / 16;   // k-steps of the PV MMA
+constexpr int kSRegs = kBN / 2;                     // S accumulator floats per thread
+constexpr int kORegs = kHeadDim / 2;                // O accumulator floats per thread
+// FP8 PV lands in a part accumulator folded into O after each tile, in kParts column parts (head_dim 128:
+// two n64 MMAs, so the part accumulator costs 32 registers, not 64, and each softmax phase overlaps one).
+constexpr int kParts = kQuant && kHeadDim == 128 ? 2 : 1;
+constexpr int kPartRegs = kORegs / kParts;
+constexpr float kLog2P = 8.807354922057604f;        // log2(448): exp2 lands P scaled for e4m3
+
+// Raw cache bytes per (token, head) of each field.
+constexpr int kKRow = Layout::k_bytes;
+constexpr int kK8Row = Layout::k8_bytes;
+constexpr int kBsRow = Layout::k_block_scale_bytes;
+constexpr int kVRow = Layout::v_bytes;
+
+// Tile images (global workspace and shared memory share the byte layout).
+constexpr int kImgK = kBN * kQKRow;
+constexpr int kImgV = kHeadDim * kVtRow;
+constexpr int kFac = kQuant ? kBN * 4 : 0;          // one per-key factor vector (quantized recipes only)
+static_assert(kImgK % 1024 == 0 && kImgV % 1024 == 0, "images keep 1024-byte alignment");
+
+// Order of the per-key factors fa / fb in a tile's vector. kFacVec: the 4 keys a consumer thread holds in
+// two consecutive 8-column groups of the S accumulator (columns 8j + 2c + e, j = 2m or 2m + 1, e < 2; its
+// lane's c = lane % 4) are adjacent, and the 4 lanes of one g hold 16-byte chunks in turn: the softmax reads
+// a vector with 8 LDS.128 instead of 16 LDS.64, 64 contiguous bytes per warp instruction (no bank
+// conflict). Otherwise key order.
+__host__ __device__ constexpr int fac_pos(int key) {   // key (0..kBN-1) -> its place in the fa / fb vector
+  return kFacVec ? (key >> 4) * 16 + ((key & 7) >> 1) * 4 + ((key >> 3) & 1) * 2 + (key & 1) : key;
+}
+// The softmax reads the vector at (j / 2) * 16 + 4c (+2 for odd j) directly, where the compiler cannot see
+// c < 4 through fac_pos: that address must be fac_pos of the key it stands for, for every j, c and e.
+constexpr bool fac_reads_match() {
+  for (int j = 0; j < kBN / 8; ++j)
+    for (int c = 0; c < 4; ++c)
+      for (int e = 0; e < 2; ++e)
+        if (fac_pos(8 * j + 2 * c + e) != (j >> 1) * 16 + 4 * c + 2 * (j & 1) + e) return false;
+  return true;
+}
+static_assert(!kFacVec || fac_reads_match(), "the softmax's fa / fb addresses follow fac_pos");
+
+// Pre-passes: threads per block.
+constexpr int kPackThreads = 256;
+
+// Main kernel: a producer warpgroup and two consumer warpgroups of 64 query rows each.
+constexpr int kThreads = 384;
+constexpr int kConsumers = 256;
+static_assert(kBM == kConsumers / 2, "each consumer warpgroup owns 64 query rows");
+constexpr int kOffQ = 0;
+constexpr int kOffK = kOffQ + kBM * kQKRow;
+constexpr int kOffV = kOffK + kStages * kImgK;
+constexpr int kOffFa = kOffV + kStages * kImgV;
+constexpr int kOffFb = kOffFa + kStages * kFac;
+constexpr int kOffRed = kOffFb + kStages * kFac;    // 8 floats for the Q amax
+constexpr int kOffBar = kOffRed + 64;               // full_k[S], full_v[S], empty[S]
+constexpr int kSmemUsed = kOffBar + 3 * kStages * 8;
+constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base to 1024 bytes
+static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "MMA tiles 1024-aligned");
+
+// 4 floats -> 4 e4m3 bytes (the FP8 Q tile and P fragment).
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  return uint32_t(mpfa::to_e4m3x2(a, b)) | (uint32_t(mpfa::to_e4m3x2(c, d)) << 16);
+}
+
+}  // namespace

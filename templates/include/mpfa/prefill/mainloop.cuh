@@ -1,0 +1,163 @@
+// The consumer warpgroups' main loop over an item's KV tiles: MMA issue (S = Q K^T with both operands in
+// shared memory; O += P V^T with P from registers) around the softmax, software-pipelined inside the
+// warpgroup: while the tensor cores run S(t) and then P(t-1) V(t-1), the warps do the softmax of tile t.
+// FP8: P V lands in its own accumulator (two-level accumulation) and is folded in as O = O * corr + O_part
+// once it completes, in kParts column parts; bf16: O is rescaled before its MMA accumulates into it.
+// With kPingPong the two warpgroups take turns issuing (named barriers 2 and 3), so one warpgroup's softmax
+// runs while the tensor cores work on the other's tile (FlashAttention-3's ping-pong schedule).
+#pragma once
+#include "mpfa/pipeline.cuh"
+#include "mpfa/wgmma.cuh"
+#include "mpfa/prefill/kernel_traits.cuh"
+#include "mpfa/prefill/params.cuh"
+#include "mpfa/prefill/producer.cuh"
+#include "mpfa/prefill/softmax.cuh"
+
+namespace {
+
+// Shape dispatch on the accumulator size (dependent, so only the recipe's shape is instantiated).
+template <int NR>
+__device__ __forceinline__ void mma_qk(float (&d)[NR], uint64_t da, uint64_t db, int scale_d) {
+  static_assert(NR == 64, "S holds 128 keys");
+  if constexpr (kQuant) mpfa::wg::mma_ss_e4m3_n128(d, da, db, scale_d);
+  else mpfa::wg::mma_ss_bf16_n128(d, da, db, scale_d);
+}
+template <int NR>
+__device__ __forceinline__ void mma_pv_fp8(float (&d)[NR], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  if constexpr (NR == 64) mpfa::wg::mma_rs_e4m3_n128(d, a, db, scale_d);    // head_dim 128
+  else mpfa::wg::mma_rs_e4m3_n64(d, a, db, scale_d);                        // head_dim 64
+}
+template <int NR>
+__device__ __forceinline__ void mma_pv_bf16(float (&d)[NR], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (NR == 64) mpfa::wg::mma_rs_bf16_n128(d, a, db, 1);
+  else mpfa::wg::mma_rs_bf16_n64(d, a, db, 1);
+}
+
+// S = Q K^T of the CTA's g-th tile once its K image has landed. q_addr: the warpgroup's Q rows, warp-uniform.
+__device__ __forceinline__ void issue_qk(const Ring& ring, int g, uint32_t q_addr, float (&sc)[kSRegs]) {
+  const int s = g % kStages;
+  mpfa::pipe::mbar_wait(ring.full_k + 8 * s, (g / kStages) & 1);
+  const uint64_t q_desc = mpfa::wg::make_desc<kW>(q_addr);
+  const uint64_t k_desc = mpfa::wg::make_desc<kW>(ring.base + kOffK + s * kImgK);
+  mpfa::wg::fence();
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    const int kb = ks * 32;
+    const uint64_t da = mpfa::wg::desc_advance(q_desc, (kb / kW) * kBM * kW + (kb % kW));
+    const uint64_t db = mpfa::wg::desc_advance(k_desc, (kb / kW) * kBN * kW + (kb % kW));
+    mma_qk(sc, da, db, ks > 0);
+  }
+  mpfa::wg::commit();
+}
+
+// P V of the CTA's g-th tile (column part `part` for FP8, into o_part; bf16: O rescaled by corr_prev, then
+// accumulated into).
+__device__ __forceinline__ void issue_pv(const Ring& ring, int g, int part, const uint32_t (&pa)[kPK][4],
+                                         float (&o_part)[kQuant ? kPartRegs : 1], float (&o_acc)[kORegs],
+                                         const float (&corr_prev)[2]) {
+  const int s = g % kStages;
+  if (part == 0) mpfa::pipe::mbar_wait(ring.full_v + 8 * s, (g / kStages) & 1);
+  const uint64_t vt_desc = mpfa::wg::make_desc<128>(ring.base + kOffV + s * kImgV);
+  if constexpr (kQuant) {
+    mpfa::wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < kPK; ++kk)
+      mma_pv_fp8(o_part, pa[kk], mpfa::wg::desc_advance(vt_desc, part * 64 * kVtRow + kk * 32), kk > 0);
+  } else {
+    scale_o(o_acc, corr_prev);
+    mpfa::wg::fence_operand(o_acc);
+    mpfa::wg::fence();
+#pragma unroll
+    for (int kk = 0; kk < kPK; ++kk)   // 16 keys (32 bytes) a k-step; V^T rows span two 128-byte blocks
+      mma_pv_bf16(o_acc, pa[kk], mpfa::wg::desc_advance(vt_desc, (kk * 32 / 128) * kHeadDim * 128 + kk * 32 % 128));
+  }
+  mpfa::wg::commit();
+}
+
+// After the wgmma wait: FP8 folds the part accumulator into O.
+__device__ __forceinline__ void fold_pv(int part, float (&o_part)[kQuant ? kPartRegs : 1], float (&o_acc)[kORegs],
+                                        const float (&corr_prev)[2]) {
+  if constexpr (kQuant) {
+    mpfa::wg::fence_operand(o_part);
+#pragma unroll
+    for (int i = 0; i < kPartRegs; ++i) {
+      float& o = o_acc[part * kPartRegs + i];
+      o = fmaf(o, corr_prev[(i >> 1) & 1], o_part[i]);
+    }
+  } else {
+    mpfa::wg::fence_operand(o_acc);
+  }
+}
+
+// Every consumer thread arrives (CUTLASS's PipelineTmaAsync does the same): an arrive releases only its own
+// thread's reads of the stage (the fa / fb loads), so one lane per warp after __syncwarp would leave the other
+// lanes' reads ordered only through the warp barrier, which racecheck reports as a hazard with the next fill.
+__device__ __forceinline__ void release(const Ring& ring, int g) {
+  mpfa::pipe::mbar_arrive(ring.empty + 8 * (g % kStages));
+}
+
+__device__ __forceinline__ void take_turn(int wg) {
+  if constexpr (kPingPong) mpfa::pipe::named_sync(2 + wg, kConsumers);
+}
+// Warpgroup 1 does not pass after its last tile: no one waits for it.
+__device__ __forceinline__ void pass_turn(int wg, int t, int n_tiles) {
+  if constexpr (kPingPong) {
+    if (wg == 0 || t + 1 < n_tiles) mpfa::pipe::named_arrive(2 + (1 - wg), kConsumers);
+  }
+}
+
+// All n_tiles KV tiles of one item, the first being the CTA's g0-th: O (unnormalized) into o_acc, the
+// rows' maxima and sums into st. wg: the consumer warpgroup (0, 1); q_addr: its Q rows; sq: the Q scale.
+__device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring, const uint8_t* smem, int g0,
+                                         int n_tiles, int wg, uint32_t q_addr, float sq, const MaskRows& mr,
+                                         float (&o_acc)[kORegs], SoftmaxRows& st) {
+  float corr_prev[2] = {1.f, 1.f};                   // rescale of O for the tile whose P V is in flight
+  uint32_t pa[kPK][4];                               // P of the previous tile as the PV A operand
+  float sc[kSRegs];
+  float o_part[kQuant ? kPartRegs : 1];
+
+  if (kPingPong && wg == 1 && n_tiles > 0) mpfa::pipe::named_arrive(2, kConsumers);   // warpgroup 0 starts
+
+  if (n_tiles > 0) {
+    take_turn(wg);
+    issue_qk(ring, g0, q_addr, sc);
+    pass_turn(wg, 0, n_tiles);
+    mpfa::wg::wait<0>();
+    mpfa::wg::fence_operand(sc);
+    softmax_max(p, sc, st, corr_prev, smem, g0 % kStages, 0, mr, sq);   // O is 0: its factor is irrelevant
+    softmax_exp(sc, st);
+    pack_p(sc, pa);
+  }
+  for (int t = 1; t < n_tiles; ++t) {
+    take_turn(wg);
+    issue_qk(ring, g0 + t, q_addr, sc);
+    issue_pv(ring, g0 + t - 1, 0, pa, o_part, o_acc, corr_prev);
+    pass_turn(wg, t, n_tiles);
+    mpfa::wg::wait<1>();     // S(t) ready; P(t-1) V(t-1) may still run
+    mpfa::wg::fence_operand(sc);
+    float corr[2];
+    softmax_max(p, sc, st, corr, smem, (g0 + t) % kStages, t * kBN, mr, sq);
+    mpfa::wg::wait<0>();
+    fold_pv(0, o_part, o_acc, corr_prev);
+    if constexpr (kParts == 2) issue_pv(ring, g0 + t - 1, 1, pa, o_part, o_acc, corr_prev);
+    softmax_exp(sc, st);
+    if constexpr (kParts == 2) {
+      mpfa::wg::wait<0>();
+      fold_pv(1, o_part, o_acc, corr_prev);
+    }
+    release(ring, g0 + t - 1);
+    corr_prev[0] = corr[0]; corr_prev[1] = corr[1];
+    pack_p(sc, pa);
+  }
+  if (n_tiles > 0) {
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      issue_pv(ring, g0 + n_tiles - 1, part, pa, o_part, o_acc, corr_prev);
+      mpfa::wg::wait<0>();
+      fold_pv(part, o_part, o_acc, corr_prev);
+    }
+    release(ring, g0 + n_tiles - 1);
+  }
+}
+
+}  // namespace

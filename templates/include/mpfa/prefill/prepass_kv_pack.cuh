@@ -1,0 +1,221 @@
+// Pre-pass: the paged cache -> MMA-ready tile images in the workspace, one block per (KV tile part, KV head):
+//   K: kBN keys x D, e4m3 or bf16, K-major, swizzled exactly as the main kernel's shared memory;
+//   V^T: D x kBN, keys contiguous and permuted for the FP8 P fragment (kv_key);
+//   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
+//   fb[hq]_j = (mu_Q[hq] . K8_j) * k_scale_j * sm_scale * log2 e, at fac_pos(j); zeros past the request's length.
+// Why images: the 4-bit K -> e4m3 conversion and the V transpose run once per (key, KV head) instead of
+// once per (query tile, query head) that reads the key, the main loop's loads become a few bulk copies,
+// and no conversion sits on the MMA warps' critical path. The pass costs (read compressed + write ~2 bytes
+// per element) / HBM bandwidth, under 1% of the attention time at the shapes this kernel is for.
+//
+// The tile is staged in shared memory as MMA elements (K rows padded by 16 bytes so that the row-per-thread
+// reads of the compensation dot product are conflict-free) and raw V rows, then written out in image order
+// (consecutive threads write consecutive 16-byte chunks).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include "mpfa/mma_frag.cuh"
+#include "mpfa/quant.cuh"
+#include "mpfa/wgmma.cuh"
+#include "mpfa/prefill/kernel_traits.cuh"
+#include "mpfa/prefill/params.cuh"
+#include "mpfa/prefill/tile_scheduler.cuh"
+
+namespace {
+
+// A pack block stages kPackKeys keys: the whole tile for FP8, half of it for bf16 (a 128-key bf16 tile
+// would need 68 KB, past the 48 KB of static shared memory): blockIdx.x = tile * kPackParts + part.
+constexpr int kPackKeys = kQuant ? kBN : kBN / 2;
+constexpr int kPackParts = kBN / kPackKeys;
+constexpr int kStRow = kQKRow + 16;
+constexpr int kPackOffK = 0;
+constexpr int kPackOffV = kPackOffK + kPackKeys * kStRow;
+constexpr int kPackOffKs = kPackOffV + kPackKeys * kVRow;
+constexpr int kPackSmem = kPackOffKs + kPackKeys * 4;
+
+// Position q (0..kBN-1) of the FP8 V^T tile's reduction dimension holds key kv_key(q): inside each 16,
+// q = 4c + e holds key 2c + e (e < 2) or 8 + 2c + e - 2 (e >= 2), matching the keys a thread holds in
+// the S accumulator (columns 2c, 2c+1 of two consecutive 8-column groups).
+__device__ __forceinline__ int kv_key(int q) {
+  if constexpr (kQuant) {
+    const int r = q & 15, c = r >> 2, e = r & 3;
+    return (q & ~15) | (e < 2 ? 2 * c + e : 8 + 2 * c + e - 2);
+  } else {
+    return q;
+  }
+}
+
+// 8 E2M1 nibbles (element 2k in the low nibble of byte k) -> 4 f16x2 of their values, exactly: a byte
+// permute looks each magnitude's fp16 high byte up in two constant words, the sign is copied over.
+__device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t x, uint32_t (&out)[4]) {
+  constexpr uint32_t kLutLo = 0x3E3C3800u;   // fp16 high bytes of 0, 0.5, 1, 1.5
+  constexpr uint32_t kLutHi = 0x46444240u;   // of 2, 3, 4, 6
+  const uint32_t xs = x << 4;
+  const uint32_t even = xs & 0x70707070u;    // |code| of element 2k in bits 4..6 of byte k
+  const uint32_t odd = x & 0x70707070u;      // |code| of element 2k+1 in bits 4..6 of byte k
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t sel = __byte_perm(even, odd, k | ((4 + k) << 4));          // nibbles 1, 3 = codes
+    const uint32_t mag = __byte_perm(kLutLo, kLutHi, sel);                    // bytes 1, 3 = fp16 highs
+    const uint32_t sgn = __byte_perm(xs, x, (k << 4) | ((4 + k) << 12));      // bits 15, 31 = signs
+    out[k] = mag | (sgn & 0x80008000u);
+  }
+}
+
+// 16 channels of 4-bit K (8 bytes of nibbles, one E4M3 block scale) -> 16 e4m3 bytes, exactly:
+// block scales are restricted so that every block_scale * e2m1 product is an e4m3 value.
+__device__ __forceinline__ uint4 k4_block_to_e4m3(uint2 packed, uint32_t bs_byte) {
+  const uint32_t bs = mpfa::e4m3x2_to_f16x2(bs_byte * 0x0101u);
+  uint32_t lo[4], hi[4], h[8];
+  e2m1x8_to_f16x2(packed.x, lo);
+  e2m1x8_to_f16x2(packed.y, hi);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) { h[j] = mpfa::hmul2_u32(lo[j], bs); h[4 + j] = mpfa::hmul2_u32(hi[j], bs); }
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    __half2_raw a, bb;
+    a.x = static_cast<unsigned short>(h[2 * j] & 0xFFFFu); a.y = static_cast<unsigned short>(h[2 * j] >> 16);
+    bb.x = static_cast<unsigned short>(h[2 * j + 1] & 0xFFFFu); bb.y = static_cast<unsigned short>(h[2 * j + 1] >> 16);
+    const uint32_t e0 = __nv_cvt_halfraw2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3);
+    const uint32_t e1 = __nv_cvt_halfraw2_to_fp8x2(bb, __NV_SATFINITE, __NV_E4M3);
+    w[j] = (e0 & 0xFFFFu) | (e1 << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParams p) {
+  __shared__ __align__(16) uint8_t st[kPackSmem];
+  float* ks = reinterpret_cast<float*>(st + kPackOffKs);
+  const int i = blockIdx.x / kPackParts, part = blockIdx.x % kPackParts, hk = blockIdx.y, tid = threadIdx.x;
+  const int b = p.kvt_req[i], t = p.kvt_idx[i];
+  int page_begin;
+  const int kv_len = kv_length(p, b, &page_begin);
+  const int key0 = part * kPackKeys;                 // first key of the tile this block stages
+  const int valid = min(kPackKeys, kv_len - t * kBN - key0);
+  const int64_t img = int64_t(i) * p.num_kv_heads + hk;
+  auto row_of = [&](int key) -> int64_t {   // (page, head, slot) row of the staged key `key`
+    const int j = t * kBN + key0 + key;
+    const int64_t page = p.indices[page_begin + j / kPageSize];
+    return (page * p.num_kv_heads + hk) * kPageSize + (j % kPageSize);
+  };
+
+  constexpr int kKUnits = kPackKeys * (kQKRow / 16);
+  for (int u = tid; u < kKUnits; u += kPackThreads) {
+    const int key = u / (kQKRow / 16), c16 = u % (kQKRow / 16);
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (key < valid) {
+      const int64_t row = row_of(key);
+      if constexpr (Layout::kSplitK) {
+        // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are E4M3 bytes already
+        const int idx = mpfa::k4rs_index<kHeadDim>(16 * c16);   // within its half
+        if (mpfa::k4rs_low<kHeadDim>(16 * c16))
+          w = *reinterpret_cast<const uint4*>(p.k8 + row * kK8Row + idx);
+        else
+          w = k4_block_to_e4m3(*reinterpret_cast<const uint2*>(p.k + row * kKRow + idx / 2),
+                               uint32_t(p.k_block_scale[row * kBsRow + idx / 16]));
+      } else {
+        w = *reinterpret_cast<const uint4*>(p.k + row * kKRow + 16 * c16);
+      }
+    }
+    *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
+  }
+  constexpr int kVUnits = kPackKeys * (kVRow / 16);
+  for (int u = tid; u < kVUnits; u += kPackThreads) {
+    const int key = u / (kVRow / 16), c16 = u % (kVRow / 16);
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * kVRow + 16 * c16);
+    *reinterpret_cast<uint4*>(st + kPackOffV + key * kVRow + 16 * c16) = w;
+  }
+  if (kQuant && tid < kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
+  __syncthreads();
+
+  // K image: image chunk o holds (row, column) = swizzle(o) of its column block (an involution; the
+  // swizzle stays inside a row, so this block's keys are kPackKeys whole rows of each column block).
+  uint8_t* kimg = p.k_img + img * kImgK;
+  constexpr int kRowChunks = kPackKeys * kW / 16;    // 16-byte chunks of this block's rows in one column block
+  for (int u = tid; u < (kQKRow / kW) * kRowChunks; u += kPackThreads) {
+    const int cb = u / kRowChunks;
+    const int o = cb * (kBN * kW) + key0 * kW + 16 * (u % kRowChunks);
+    const int l = mpfa::wg::swizzle<kW>(o % (kBN * kW));
+    const int key = l / kW - key0, col = cb * kW + l % kW;
+    *reinterpret_cast<uint4*>(kimg + o) = *reinterpret_cast<const uint4*>(st + kPackOffK + key * kStRow + col);
+  }
+  // V^T image (channels x keys), keys permuted by kv_key for FP8.
+  uint8_t* vimg = p.v_img + img * kImgV;
+  const uint8_t* rawv = st + kPackOffV;
+  if constexpr (kQuant) {
+    constexpr int kUnits = (kHeadDim / 4) * (kBN / 16);   // 4 channels x 16 positions
+    for (int u = tid; u < kUnits; u += kPackThreads) {
+      const int d0 = 4 * (u % (kHeadDim / 4)), blk = u / (kHeadDim / 4);
+      uint32_t w[16];
+#pragma unroll
+      for (int q = 0; q < 16; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + kv_key(16 * blk + q) * kVRow + d0);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t o[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint32_t t01 = __byte_perm(w[4 * q], w[4 * q + 1], c | ((4 + c) << 4));
+          const uint32_t t23 = __byte_perm(w[4 * q + 2], w[4 * q + 3], c | ((4 + c) << 4));
+          o[q] = __byte_perm(t01, t23, 0x5410);
+        }
+        *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0 + c, 16 * blk, kHeadDim)) =
+            make_uint4(o[0], o[1], o[2], o[3]);
+      }
+    }
+  } else {
+    constexpr int kUnits = (kHeadDim / 2) * (kPackKeys / 8);    // 2 channels x 8 keys
+    for (int u = tid; u < kUnits; u += kPackThreads) {
+      const int d0 = 2 * (u % (kHeadDim / 2)), blk = u / (kHeadDim / 2);   // 8-key group of the staged keys
+      uint32_t w[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + (8 * blk + q) * kVRow + 2 * d0);
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        lo[q] = __byte_perm(w[2 * q], w[2 * q + 1], 0x5410);
+        hi[q] = __byte_perm(w[2 * q], w[2 * q + 1], 0x7632);
+      }
+      const int col = 2 * key0 + 16 * blk;                // byte column of the V^T row (2 bytes a key)
+      *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0, col, kHeadDim)) =
+          make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0 + 1, col, kHeadDim)) =
+          make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    }
+  }
+  if constexpr (kQuant) {
+    if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = ks[tid] * p.score_scale;
+    // Compensation: fb[hq]_j = (mu_Q[hq] . K8_j) * k_scale_j * score_scale for the group's heads.
+    if (p.fb != nullptr) {
+      const int key = tid % kBN;
+      const int group = p.num_qo_heads / p.num_kv_heads;
+      const uint8_t* krow = st + kPackOffK + key * kStRow;
+      for (int gi = tid / kBN; gi < group; gi += kPackThreads / kBN) {
+        const int hq = hk * group + gi;
+        const float* m = p.mu + (int64_t(b) * p.num_qo_heads + hq) * kHeadDim;
+        float dot = 0.f;
+#pragma unroll 2
+        for (int c16 = 0; c16 < kHeadDim / 16; ++c16) {
+          const uint4 w4 = *reinterpret_cast<const uint4*>(krow + 16 * c16);
+          const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const uint32_t h01 = mpfa::e4m3x2_to_f16x2(w[q] & 0xFFFFu);
+            const uint32_t h23 = mpfa::e4m3x2_to_f16x2(w[q] >> 16);
+            const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&h01));
+            const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&h23));
+            const float* mc = m + 16 * c16 + 4 * q;
+            dot = fmaf(mc[0], f01.x, dot);
+            dot = fmaf(mc[1], f01.y, dot);
+            dot = fmaf(mc[2], f23.x, dot);
+            dot = fmaf(mc[3], f23.y, dot);
+          }
+        }
+        p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * ks[key] * p.score_scale;
+      }
+    }
+  }
+}
+
+}  // namespace

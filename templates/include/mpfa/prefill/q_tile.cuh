@@ -1,0 +1,82 @@
+// The consumers' Q tile: kBM rows of one query head into shared memory as the QK MMA's A operand
+// (swizzled like the K image). Quantized recipes smooth it by mu_Q and quantize it to e4m3 with one scale
+// for the tile (amax / 448, one amax over the tile through named barrier 1).
+#pragma once
+#include <cuda_bf16.h>
+#include "mpfa/pipeline.cuh"
+#include "mpfa/wgmma.cuh"
+#include "mpfa/prefill/kernel_traits.cuh"
+#include "mpfa/prefill/params.cuh"
+#include "mpfa/prefill/tile_scheduler.cuh"
+
+namespace {
+
+// Writes item `it`'s Q tile at kOffQ of smem and returns its scale (1 for bf16). ct: the thread's index
+// among the consumers, cw its warp's; red: 8 floats of scratch.
+__device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, uint8_t* smem, float* red, int ct,
+                                        int cw, int lane) {
+  constexpr int kQChunks = kHeadDim / 8;             // 8 channels (16 bf16 bytes) per unit
+  constexpr int kQUnits = kBM * kQChunks / kConsumers;   // units per consumer thread
+  static_assert(kBM * kQChunks % kConsumers == 0, "Q units divide among the consumer threads");
+  const int nh = p.num_qo_heads, b = it.b, hq = it.hq, rows = it.rows;
+  const __nv_bfloat16* qbase = p.q + int64_t(it.qo_start + it.row0) * p.q_stride_t + int64_t(hq) * p.q_stride_h;
+  float sq = 1.f;
+  if constexpr (kQuant) {
+    const float* mu = p.mu ? p.mu + (int64_t(b) * nh + hq) * kHeadDim : nullptr;
+    // The thread's kQUnits chunks of Q (and their mu_Q) are loaded at once, before the first use (one global
+    // latency per CTA, which nothing else hides in a CTA's prologue), and smoothed once for both the amax
+    // and the quantization.
+    uint4 raw[kQUnits];
+#pragma unroll
+    for (int i = 0; i < kQUnits; ++i) {
+      const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
+      raw[i] = r < rows ? *reinterpret_cast<const uint4*>(qbase + r * p.q_stride_t + 8 * ch) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float x[kQUnits][8];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kQUnits; ++i) {
+      const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
+      float4 m0 = make_float4(0.f, 0.f, 0.f, 0.f), m1 = m0;
+      if (mu) { m0 = *reinterpret_cast<const float4*>(mu + 8 * ch); m1 = *reinterpret_cast<const float4*>(mu + 8 * ch + 4); }
+      const float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+      const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(h2[k]);
+        x[i][2 * k] = f.x - m[2 * k];
+        x[i][2 * k + 1] = f.y - m[2 * k + 1];
+        if (r < rows) amax = fmaxf(amax, fmaxf(fabsf(x[i][2 * k]), fabsf(x[i][2 * k + 1])));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    if (lane == 0) red[cw] = amax;
+    mpfa::pipe::named_sync(1, kConsumers);
+    amax = red[0];
+#pragma unroll
+    for (int w = 1; w < kConsumers / 32; ++w) amax = fmaxf(amax, red[w]);
+    sq = amax > 0.f ? amax / 448.f : 1.f;
+    const float inv = __frcp_rn(sq);
+#pragma unroll
+    for (int i = 0; i < kQUnits; ++i) {
+      const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
+      uint2 q8 = make_uint2(0u, 0u);
+      if (r < rows) {
+        q8.x = pack_e4m3x4(x[i][0] * inv, x[i][1] * inv, x[i][2] * inv, x[i][3] * inv);
+        q8.y = pack_e4m3x4(x[i][4] * inv, x[i][5] * inv, x[i][6] * inv, x[i][7] * inv);
+      }
+      *reinterpret_cast<uint2*>(smem + kOffQ + mpfa::wg::tile_offset<kW>(r, 8 * ch, kBM)) = q8;
+    }
+  } else {   // a chunk per iteration: bf16 has no amax pass for batched loads to shorten
+    for (int u = ct; u < kBM * kQChunks; u += kConsumers) {
+      const int r = u / kQChunks, ch = u % kQChunks;
+      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+      if (r < rows) raw = *reinterpret_cast<const uint4*>(qbase + r * p.q_stride_t + 8 * ch);
+      *reinterpret_cast<uint4*>(smem + kOffQ + mpfa::wg::tile_offset<kW>(r, 16 * ch, kBM)) = raw;
+    }
+  }
+  return sq;
+}
+
+}  // namespace

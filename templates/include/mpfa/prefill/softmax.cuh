@@ -1,0 +1,158 @@
+// The consumers' online softmax of one KV tile in the S accumulator (this thread's rows r_lo and r_lo + 8,
+// columns 8j + 2c + {0, 1}), in two phases so that an MMA can be issued between them:
+//   softmax_max: scores scaled (FP8: fa_j * sq * s + fb_j; bf16: score_scale * s), masked, row maxima;
+//     m_run advances, l_run takes the factor corr, which O must take too;
+//   softmax_exp: P = exp2(s - base) (FP8: base includes -log2 448, so P lands scaled for e4m3), summed into l_run;
+// then pack_p packs P in registers as the A operand of the PV MMA.
+#pragma once
+#include <math_constants.h>
+#include "mpfa/common.cuh"
+#include "mpfa/mma_frag.cuh"
+#include "mpfa/prefill/kernel_traits.cuh"
+#include "mpfa/prefill/params.cuh"
+
+namespace {
+
+// Running state of the thread's two rows.
+struct SoftmaxRows {
+  float m_run[2];   // running maxima (scaled scores, log2 domain)
+  float l_run[2];   // running sums of P over the thread's columns (times 448 for FP8)
+  float base[2];    // what the current tile's exp2 subtracts
+};
+
+// What the mask needs of the thread's rows and the item.
+struct MaskRows {
+  int kv_len;         // keys of the request
+  int diag;           // causal: row i sees keys j <= i + diag
+  int wg_first_row;   // first query row of the warpgroup (within the request's chunk)
+  int i_lo;           // the thread's row r_lo (within the chunk)
+  int c;              // lane % 4: the thread's column pair in each 8-column group
+};
+
+// Without compensation the softmax adds fb = 0 rather than branching: every stage's fb vector is zeroed once.
+__device__ __forceinline__ void zero_fb(const KernelParams& p, uint8_t* smem, int ct) {
+  if (kQuant && p.fb == nullptr) {
+    float* fb_all = reinterpret_cast<float*>(smem + kOffFb);
+    for (int i = ct; i < kStages * kBN; i += kConsumers) fb_all[i] = 0.f;
+  }
+}
+
+// Phase 1 for the tile of keys key0.. in ring stage s (its fa / fb vectors); sq: the Q tile's scale.
+__device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
+                                            float (&corr)[2], const uint8_t* smem, int s, int key0,
+                                            const MaskRows& mr, float sq) {
+  const int c = mr.c;
+  const bool need_mask = key0 + kBN > mr.kv_len || (p.causal && key0 + kBN - 1 > mr.wg_first_row + mr.diag);
+  const float* fa = reinterpret_cast<const float*>(smem + kOffFa + s * kFac);
+  const float* fb = reinterpret_cast<const float*>(smem + kOffFb + s * kFac);
+  float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+    if constexpr (kQuant) {
+      float2 a2, b2;   // b2: zeros without compensation
+      if constexpr (kFacVec) {   // one 16-byte load serves groups j and j + 1
+        const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
+        const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
+        const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
+        a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
+        b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
+      } else {
+        a2 = *reinterpret_cast<const float2*>(fa + 8 * j + 2 * c);
+        b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
+      }
+      a2.x *= sq; a2.y *= sq;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[4 * j + e] = fmaf(sc[4 * j + e], (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;
+    }
+  }
+  // Only the tiles on the diagonal or past the length pay for the mask (a branch, not predication:
+  // the mask's compares and selects would double the softmax's instructions if run on every tile).
+  if (need_mask) {
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * j + 2 * c + (e & 1);
+        const int qi = mr.i_lo + 8 * (e >> 1);
+        if (!(key < mr.kv_len && (!p.causal || key <= qi + mr.diag))) sc[4 * j + e] = -CUDART_INF_F;
+      }
+    }
+  }
+  // Row maxima as 4 independent chains per row, then a tree: one running chain would be 32 dependent
+  // FMNMX per row, and the consumer warps are latency-bound.
+  float mp[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mp[h][k] = -CUDART_INF_F;
+  }
+#pragma unroll
+  for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = fmaxf(mp[(i >> 1) & 1][(i >> 2) & 3], sc[i]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) mx[h] = fmaxf(fmaxf(mp[h][0], mp[h][1]), fmaxf(mp[h][2], mp[h][3]));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float m_new = fmaxf(st.m_run[h], mx[h]);
+    const float m_ref = m_new == -CUDART_INF_F ? 0.f : m_new;
+    corr[h] = mpfa::ex2(st.m_run[h] - m_ref);            // 0 while m_run was -inf (o, l are 0 then)
+    st.base[h] = kQuant ? m_ref - kLog2P : m_ref;
+    st.m_run[h] = m_new;
+    st.l_run[h] *= corr[h];
+  }
+}
+
+// Phase 2: sc becomes P (fp32, scaled by 448 for FP8); l_run sums it. Every kPolyEvery-th score's exp2 runs
+// on the FMA pipe (mpfa::ex2_poly), the rest on MUFU.
+__device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st) {
+  float lp[2][4];   // 4 independent sums per row, as for the maxima
+#pragma unroll
+  for (int k = 0; k < 8; ++k) lp[k / 4][k % 4] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSRegs; ++i) {
+    const float x = sc[i] - st.base[(i >> 1) & 1];
+    const float pr = (kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) ? mpfa::ex2_poly(x)
+                                                                                                : mpfa::ex2(x);
+    lp[(i >> 1) & 1][(i >> 2) & 3] += pr;
+    sc[i] = pr;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) st.l_run[h] += (lp[h][0] + lp[h][1]) + (lp[h][2] + lp[h][3]);
+}
+
+// P -> the PV MMA's A fragments. FP8: the accumulator -> A-fragment mismatch (a thread holds keys 2c, 2c+1,
+// 8+2c, 9+2c of each 16, the e4m3 A fragment wants 4c..4c+3) is absorbed by the key permutation of the V^T
+// image (prepass_kv_pack.cuh kv_key), so P packs with no shuffles.
+__device__ __forceinline__ void pack_p(const float (&sc)[kSRegs], uint32_t (&pa)[kPK][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kPK; ++kk) {
+    if constexpr (kQuant) {
+      const float* s0 = sc + 16 * kk;   // groups 4kk .. 4kk+3
+      pa[kk][0] = pack_e4m3x4(s0[0], s0[1], s0[4], s0[5]);
+      pa[kk][1] = pack_e4m3x4(s0[2], s0[3], s0[6], s0[7]);
+      pa[kk][2] = pack_e4m3x4(s0[8], s0[9], s0[12], s0[13]);
+      pa[kk][3] = pack_e4m3x4(s0[10], s0[11], s0[14], s0[15]);
+    } else {
+      const float* s0 = sc + 8 * kk;    // groups 2kk, 2kk+1
+      pa[kk][0] = mpfa::pack_bf16x2(s0[0], s0[1]);
+      pa[kk][1] = mpfa::pack_bf16x2(s0[2], s0[3]);
+      pa[kk][2] = mpfa::pack_bf16x2(s0[4], s0[5]);
+      pa[kk][3] = mpfa::pack_bf16x2(s0[6], s0[7]);
+    }
+  }
+}
+
+// O of the thread's rows times the rows' correction factors.
+__device__ __forceinline__ void scale_o(float (&o_acc)[kORegs], const float (&corr)[2]) {
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) { o_acc[4 * j + 2 * h] *= corr[h]; o_acc[4 * j + 2 * h + 1] *= corr[h]; }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,61 @@
+// Work items of the main kernel and the order a CTA takes them in: one CTA per item, or (kPersistent)
+// one CTA per SM walking the plan's longest-first list. The plan (python/mpfa/prefill.py tile_schedule)
+// orders the query tiles; item i is query tile i / Hq of that list and query head i % Hq.
+#pragma once
+#include "mpfa/common.cuh"
+#include "mpfa/prefill/kernel_traits.cuh"
+#include "mpfa/prefill/params.cuh"
+
+namespace {
+
+// KV length of request b (its keys are pages page_begin.. of the page table).
+__device__ __forceinline__ int kv_length(const KernelParams& p, int b, int* page_begin) {
+  const int pb = p.kv_indptr[b];
+  const int np = p.kv_indptr[b + 1] - pb;
+  *page_begin = pb;
+  return np > 0 ? (np - 1) * kPageSize + p.last_page_len[b] : 0;
+}
+
+// One work item of the main kernel: a kBM-row query tile of one request and one query head.
+struct Item {
+  int hq, hk, b, row0, qo_start, rows, kv_len, diag, n_tiles;
+};
+
+__device__ __forceinline__ Item item_at(const KernelParams& p, int item) {
+  Item it;
+  const int nh = p.num_qo_heads;
+  const int tile = item / nh;
+  it.hq = item % nh;
+  it.hk = it.hq / (nh / p.num_kv_heads);
+  it.b = p.tile_req[tile];
+  it.row0 = p.tile_q[tile] * kBM;
+  it.qo_start = p.qo_indptr[it.b];
+  const int qo_len = p.qo_indptr[it.b + 1] - it.qo_start;
+  it.rows = min(kBM, qo_len - it.row0);
+  int page_begin;
+  it.kv_len = kv_length(p, it.b, &page_begin);
+  it.diag = it.kv_len - qo_len;                    // row i sees keys j <= i + diag (causal)
+  const int kv_end = p.causal ? min(it.kv_len, it.row0 + it.rows + it.diag) : it.kv_len;
+  it.n_tiles = (kv_end + kBN - 1) / kBN;
+  return it;
+}
+
+// The k-th item of this CTA, or num_items when it has no more: one item per CTA, or (kPersistent) rounds of
+// gridDim.x items in alternating direction over the longest-first list, so each CTA's heavy and light
+// items pair up.
+__device__ __forceinline__ int item_of(int k, int num_items) {
+  if constexpr (!kPersistent) return int(blockIdx.x);
+  const int G = int(gridDim.x), c = int(blockIdx.x);
+  const int item = k * G + ((k & 1) ? G - 1 - c : c);
+  return item < num_items ? item : num_items;
+}
+
+// Items a CTA runs: 1, or (kPersistent) until item_of runs out.
+constexpr int kMaxItemsPerCta = kPersistent ? 0x7fffffff : 1;
+
+// CTAs of the main kernel's grid.
+inline int grid_size(int num_items, int device) {
+  return kPersistent ? min(num_items, mpfa::sm_count(device)) : num_items;
+}
+
+}  // namespace
