@@ -16,7 +16,7 @@ A = "sm_90a"
 s = [append_kv.spec(recipe=r, head_dim=d, page_size=p, arch=A)
      for r, d, p in itertools.product(append_kv.RECIPES, append_kv.HEAD_DIMS, append_kv.PAGE_SIZES)]
 s += [decode.spec(recipe=r, head_dim=d, page_size=p, group_size=g, arch=A)
-      for r, d, p, g in itertools.product(decode.RECIPES, decode.HEAD_DIMS, decode.PAGE_SIZES, range(1, 9))]
+      for r, d, p, g in itertools.product(decode.RECIPES, decode.HEAD_DIMS, decode.PAGE_SIZES, decode.GROUP_SIZES)]
 s += [prefill.spec(recipe=r, head_dim=d, page_size=p, arch=A)
       for r, d, p in itertools.product(prefill.RECIPES, prefill.HEAD_DIMS, prefill.PAGE_SIZES)]
 ops = os.environ["MPFA_PREBUILD_OPS"].split(",")

@@ -1,25 +1,42 @@
-"""Build every kernel specialization a server will need, in parallel, before it starts.
+"""Build every kernel an mpfa SGLang server will load, in parallel, before it starts.
 
     python -m mpfa_jit.warmup server_configs/llama-3.1-8b-qk4pv8.yaml
+    python -m mpfa_jit.warmup --model-path server_configs/models/llama-3.1-8b --page-size 16
     python -m mpfa_jit.warmup --num-qo-heads 32 --num-kv-heads 8 --head-dim 128 --recipe qk4pv8 --page-size 16
 
-Needs nvcc, not a GPU (the target is the GPU's arch, else MPFA_CUDA_ARCH, else sm_90a). Prints a
-progress bar and a summary table (key, built or cached, seconds); exits 1 if any build failed.
+Settings resolve as the server's do (mpfa.sglang.settings): --recipe / --page-size, then MPFA_RECIPE,
+MPFA_PAGE_SIZE, MPFA_COMPENSATION, MPFA_KERNEL_BACKEND, then the server config (the argument, else the
+one MPFA_CONFIG names), then the defaults. The model is checked as the launcher and the server check it,
+with the same message, and the kernels are exactly those the backend loads at startup
+(mpfa.sglang.kernels). Needs nvcc, not a GPU (target: --arch, else MPFA_CUDA_ARCH, else the GPU's, else
+sm_90a). Prints a progress bar and a summary table (key, built or cached, seconds).
+
+Exit status: 0 every kernel is ready; 1 a build failed; 2 bad usage, or a model or setting the server
+would refuse; 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
+import queue
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from tqdm import tqdm
 
+from mpfa.recipes import RECIPES
+from mpfa.sglang.kernels import server_kernel_specs
+from mpfa.sglang.model import UnsupportedModelError, check_hf_config, check_model_supported, read_hf_config
+from mpfa.sglang.settings import (ENV_CONFIG, ENV_PAGE_SIZE, ENV_RECIPE, PAGE_SIZES, MpfaConfigError,
+                                  load_server_config, resolve_settings)
+
 from . import build_only, env
 from .errors import MpfaJitError
-from .ops import OPS
-from .server_config import RECIPES, AttentionShape, load, model_shape
+
+EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def default_arch() -> str:
@@ -34,28 +51,71 @@ def default_arch() -> str:
     return env.SUPPORTED_ARCHS[0]
 
 
-def server_specs(shape: AttentionShape, recipe: str, page_size: int, arch: str):
-    specs = []
-    for op in OPS:
-        specs += op.server_specs(num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
-                                 head_dim=shape.head_dim, recipe=recipe, page_size=page_size, arch=arch)
-    return list(dict.fromkeys(specs))   # drop duplicates, keep order
+class _BarHandler(logging.Handler):
+    """Writes log records above a tqdm bar (the bar's own write), so a record never lands inside it."""
+
+    def __init__(self, bar: tqdm):
+        super().__init__()
+        self.bar = bar
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record):
+        try:
+            self.bar.write(self.format(record), file=self.bar.fp)
+        except Exception:
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def logs_above(bar: tqdm, logger: logging.Logger | None = None):
+    """While the bar is shown, ``logger``'s records (default: the mpfa_jit logger, e.g. "built ... in 12 s")
+    go through :class:`_BarHandler` instead of its own handlers."""
+    logger = logger or logging.getLogger("mpfa_jit")
+    saved = logger.handlers[:]
+    logger.handlers = [_BarHandler(bar)]
+    try:
+        yield
+    finally:
+        logger.handlers = saved
 
 
 def warmup(specs, jobs: int, progress: bool = True):
-    """Build ``specs`` with ``jobs`` builds at once. Returns rows (key, status, seconds, error)."""
-    rows = {}
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(build_only, s): s for s in specs}
-        bar = tqdm(total=len(specs), desc="mpfa warmup", unit="kernel", disable=not progress, file=sys.stderr)
-        for fut in as_completed(futures):
-            spec = futures[fut]
+    """Build ``specs`` with ``jobs`` builds at once. Returns rows (key, status, seconds, error).
+
+    The builders are daemon threads: on KeyboardInterrupt no further build starts and the interrupt
+    propagates at once; when the process then exits, each running build's ninja receives SIGTERM
+    (mpfa_jit.build) and stops its compilers, and the next build of that key clears what it left."""
+    todo, done = queue.SimpleQueue(), queue.SimpleQueue()
+    for s in specs:
+        todo.put(s)
+
+    def builder():
+        while True:
             try:
-                _, built, seconds = fut.result()
-                rows[spec.key] = (spec.key, "built" if built else "cached", seconds, "")
+                spec = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                _, built, seconds = build_only(spec)
+                done.put((spec.key, "built" if built else "cached", seconds, ""))
             except Exception as e:   # one failed key must not hide the others' results
-                rows[spec.key] = (spec.key, "FAILED", 0.0, f"{type(e).__name__}: {e}")
-            bar.update(1)
+                done.put((spec.key, "FAILED", 0.0, f"{type(e).__name__}: {e}"))
+
+    rows = {}
+    bar = tqdm(total=len(specs), desc="mpfa warmup", unit="kernel", disable=not progress, file=sys.stderr)
+    try:
+        with logs_above(bar):
+            for i in range(min(jobs, len(specs))):
+                threading.Thread(target=builder, name=f"mpfa-warmup-{i}", daemon=True).start()
+            for _ in specs:
+                row = done.get()
+                rows[row[0]] = row
+                bar.update(1)
+    except BaseException:
+        while not todo.empty():   # start nothing more
+            todo.get_nowait()
+        raise
+    finally:
         bar.close()
     return [rows[s.key] for s in specs]
 
@@ -67,45 +127,107 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mpfa_jit.warmup", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="?", help="a server config YAML (server_configs/*.yaml)")
+class _Parser(argparse.ArgumentParser):
+    """Bad usage: one line naming the problem, exit 2 (argparse's default prints the usage block first)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"mpfa warmup: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
+def parse_args(argv, environ=None):
+    ap = _Parser(prog="python -m mpfa_jit.warmup", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?", help="a server config YAML (server_configs/*.yaml); default: MPFA_CONFIG's")
     ap.add_argument("--model-path", help="a model folder with config.json (instead of a server config)")
-    ap.add_argument("--num-qo-heads", type=int)
-    ap.add_argument("--num-kv-heads", type=int)
+    ap.add_argument("--tp-size", type=_positive_int, help="tensor parallelism, with --model-path (default 1)")
+    ap.add_argument("--num-qo-heads", type=int, help="query heads per GPU (with --num-kv-heads, --head-dim)")
+    ap.add_argument("--num-kv-heads", type=int, help="KV heads per GPU")
     ap.add_argument("--head-dim", type=int)
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--recipe", choices=RECIPES)
-    ap.add_argument("--page-size", type=int)
+    ap.add_argument("--recipe", choices=list(RECIPES), help="overrides MPFA_RECIPE and the config")
+    ap.add_argument("--page-size", type=int, choices=list(PAGE_SIZES), help="overrides MPFA_PAGE_SIZE and the config")
     ap.add_argument("--arch", help=f"target arch (supported: {', '.join(env.SUPPORTED_ARCHS)})")
-    ap.add_argument("--jobs", type=int, default=None, help="parallel builds (default MPFA_JIT_JOBS or CPU count)")
+    ap.add_argument("--jobs", type=_positive_int, help="parallel builds (default MPFA_JIT_JOBS or CPU count)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
+    shape_flags = [f for f, v in (("--num-qo-heads", a.num_qo_heads), ("--num-kv-heads", a.num_kv_heads),
+                                  ("--head-dim", a.head_dim)) if v is not None]
+    given = [what for what, on in (("a server config", a.config), ("--model-path", a.model_path),
+                                   ("--num-qo-heads/--num-kv-heads/--head-dim", shape_flags)) if on]
+    if len(given) > 1:
+        ap.error(f"give one of a server config, --model-path, or the head flags; got {' and '.join(given)}")
+    if shape_flags and len(shape_flags) < 3:
+        ap.error("give all of --num-qo-heads, --num-kv-heads and --head-dim")
+    if a.tp_size is not None and not a.model_path:
+        ap.error("--tp-size goes with --model-path (a server config states sglang.tp-size; the head flags are "
+                 "per GPU)")
+    if not given and not (os.environ if environ is None else environ).get(ENV_CONFIG):
+        ap.error("give a server config, --model-path, or all of --num-qo-heads, --num-kv-heads, --head-dim")
+    return a
 
-    if a.config:
-        cfg = load(a.config)
-        shape, recipe, page_size = cfg.shape, a.recipe or cfg.recipe, a.page_size or cfg.page_size
-    else:
-        if a.model_path:
-            shape = model_shape(a.model_path, a.tp_size)
-        elif None in (a.num_qo_heads, a.num_kv_heads, a.head_dim):
-            ap.error("give a server config, --model-path, or all of --num-qo-heads, --num-kv-heads, --head-dim")
-        else:
-            shape = AttentionShape(a.num_qo_heads, a.num_kv_heads, a.head_dim, 0)
-        recipe, page_size = a.recipe or "qk4pv8", a.page_size or 16
+
+def server_plan(a, environ=None):
+    """(settings, facts, what): the settings and attention shape the server would resolve for the
+    arguments, refused with the server's message where it would refuse them."""
+    environ = dict(os.environ if environ is None else environ)
+    if a.recipe:
+        environ[ENV_RECIPE] = a.recipe
+    if a.page_size is not None:
+        environ[ENV_PAGE_SIZE] = str(a.page_size)
+    heads = a.num_qo_heads is not None
+    path = a.config or (None if (heads or a.model_path) else environ.get(ENV_CONFIG))
+    config = load_server_config(path) if path else None
+    settings = resolve_settings(env=environ, config=config)
+    if heads:
+        facts = dict(num_qo_heads=a.num_qo_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim)
+        check_model_supported(page_size=settings.page_size, recipe=settings.recipe, **facts)
+        return settings, facts, "the given shape"
+    model_dir = a.model_path or config.model_dir
+    facts = check_hf_config(read_hf_config(model_dir), page_size=settings.page_size, recipe=settings.recipe,
+                            tp_size=config.tp_size if config else (a.tp_size or 1),
+                            where=os.path.join(str(model_dir), "config.json"))
+    return settings, facts, str(config.path if config else model_dir)
+
+
+def kernel_specs(settings, facts: dict, arch: str):
+    """The kernels the server's backend loads for these settings and this shape (mpfa.sglang.kernels)."""
+    return server_kernel_specs(num_qo_heads=facts["num_qo_heads"], num_kv_heads=facts["num_kv_heads"],
+                               head_dim=facts["head_dim"], recipe=settings.recipe, page_size=settings.page_size,
+                               arch=arch)
+
+
+def main(argv=None) -> int:
     try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("mpfa warmup: interrupted; kernels already built stay cached, run it again to finish",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv) -> int:
+    a = parse_args(argv)
+    try:
+        settings, facts, what = server_plan(a)
+        jobs = a.jobs or env.jobs()
         arch = a.arch or default_arch()
-        env.check_arch(arch)
+        specs = kernel_specs(settings, facts, arch)   # checks the arch
         env.nvcc_path()
-        specs = server_specs(shape, recipe, page_size, arch)
-    except (MpfaJitError, ValueError) as e:
-        print(f"mpfa warmup: {e}", file=sys.stderr)
-        return 2
-    jobs = a.jobs or env.jobs()
-    print(f"mpfa warmup: {len(specs)} kernels for {shape.num_qo_heads} query / {shape.num_kv_heads} KV heads, "
-          f"head_dim {shape.head_dim}, recipe {recipe}, page size {page_size}, {arch}, {jobs} jobs; "
-          f"cache {env.cache_dir()}", file=sys.stderr)
+    except (MpfaConfigError, UnsupportedModelError, MpfaJitError, ValueError) as e:
+        print(f"mpfa warmup: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"mpfa warmup: {len(specs)} kernels for {what}: {facts['num_qo_heads']} query / {facts['num_kv_heads']} "
+          f"KV heads per GPU, head_dim {facts['head_dim']}, recipe {settings.recipe}, page size {settings.page_size}, "
+          f"{arch}, {jobs} jobs; cache {env.cache_dir()}", file=sys.stderr)
     start = time.monotonic()
     rows = warmup(specs, jobs, progress=not a.no_progress)
     print(format_table(rows))
@@ -113,7 +235,7 @@ def main(argv=None) -> int:
     print(f"{len(rows) - len(failed)} of {len(rows)} ready in {time.monotonic() - start:.1f} s")
     for r in failed:
         print(f"\n{r[0]}:\n{r[3]}", file=sys.stderr)
-    return 1 if failed else 0
+    return EXIT_BUILD_FAILED if failed else EXIT_OK
 
 
 if __name__ == "__main__":

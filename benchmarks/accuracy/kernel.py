@@ -22,7 +22,8 @@ import math
 
 import torch
 
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+from mpfa_jit.ops.prefill import RECIPES
+
 PAGE_SIZE = 16
 
 

@@ -27,8 +27,9 @@ compensation that compensation removes:
 """
 from __future__ import annotations
 
+from mpfa_jit.ops.prefill import RECIPES
+
 RESULT = "accuracy"   # benchmarks/results/accuracy.json
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 NOISE_PPL = 0.002
 
 

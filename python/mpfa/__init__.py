@@ -1,14 +1,13 @@
 """mpfa: mixed-precision FlashAttention kernels (bf16, qk8pv8, qk4pv8) for LLM serving.
 
-    import torch, mpfa
-    cache = mpfa.PagedKVCache("qk4pv8", num_layers=32, num_pages=4096, page_size=16, num_kv_heads=8, head_dim=128)
-    mpfa.append_kv(k, v, cache.layer(0), slots)                 # bf16 K/V after RoPE -> 4-bit K, FP8 V
-    prefill = mpfa.BatchPrefillWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
-    prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, 32, 8, 128, 16, recipe="qk4pv8")
-    o = prefill.run(q, cache.layer(0))
+A :class:`PagedKVCache` holds every layer's pages in a recipe's format; ``calibrate`` fixes a layer's
+K mean and V channel scales from its first K/V, :func:`append_kv` quantizes K/V rows into slots, and
+:class:`BatchPrefillWrapper` / :class:`BatchDecodeWrapper` ``plan`` a ragged batch once and ``run`` it
+on every layer. Kernels run on sm_90a GPUs; ``backend="reference"`` runs the PyTorch reference on any
+device. README.md's "The API in ten lines" is a complete program (run by tests/cpu/test_readme.py).
 """
 from .append import append_kv
-from .backend import BACKENDS
+from .dispatch import BACKENDS
 from .decode import BatchDecodeWrapper
 from .kv_cache import HEAD_DIMS, PAGE_SIZES, KVCacheLayer, PagedKVCache
 from .prefill import BatchPrefillWrapper

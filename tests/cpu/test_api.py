@@ -658,7 +658,7 @@ def test_workspace_capacity_and_device_are_checked():
 
 
 def test_kernel_outputs_allocate_or_check_the_output():
-    from mpfa.backend import data_ptr, kernel_outputs
+    from mpfa.dispatch import data_ptr, kernel_outputs
     q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
     out, lse = kernel_outputs(q, None, True)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous() and lse.shape == (3, 4)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpfa.sglang import config as C
+from mpfa.sglang import compat, launch as L, model as M, settings as S
 from mpfa.sglang.page_table import build_page_table, page_table_capacity
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,9 @@ def test_entry_point_installed():
 def test_plugin_module_does_not_import_sglang():
     import sys
     import mpfa.sglang.plugin  # noqa: F401
-    import mpfa.sglang.config  # noqa: F401
+    import mpfa.sglang.settings  # noqa: F401
+    import mpfa.sglang.model  # noqa: F401
+    import mpfa.sglang.kernels  # noqa: F401
     import mpfa.sglang.launch  # noqa: F401
     if importlib.util.find_spec("sglang") is None:
         assert "sglang" not in sys.modules
@@ -87,11 +89,25 @@ def test_cuda_graph_contract_is_0_5_17s():
 
 
 def test_missing_sglang_name_is_a_clear_error():
-    plugin = _plugin_source()
-    with pytest.raises(plugin.SGLangCompatError, match=r"mpfa_no_such_module.*SGLang .*tested with SGLang 0\.5\.17"):
-        plugin.sglang_attr("mpfa_no_such_module", "x")
-    with pytest.raises(plugin.SGLangCompatError, match=r"json\.no_such_name.*SGLang"):
-        plugin.sglang_attr("json", "no_such_name")
+    with pytest.raises(compat.SGLangCompatError, match=r"mpfa_no_such_module.*SGLang .*tested with SGLang 0\.5\.17"):
+        compat.sglang_attr("mpfa_no_such_module", "x")
+    with pytest.raises(compat.SGLangCompatError, match=r"json\.no_such_name.*SGLang"):
+        compat.sglang_attr("json", "no_such_name")
+
+
+def test_no_import_circle_in_the_sglang_package():
+    """backend, pool and plugin share the SGLang lookups through compat, never each other."""
+    import ast
+    pkg = ROOT / "python/mpfa/sglang"
+    imports = {}
+    for f in pkg.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        imports[f.stem] = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+
+    def reaches(start, target, seen=()):
+        return any(m == target or (m not in seen and reaches(m, target, seen + (m,))) for m in imports.get(start, ()))
+    circles = sorted(m for m in imports if reaches(m, m))
+    assert not circles, f"modules of mpfa.sglang that import themselves through others: {circles}"
 
 
 class _Args:
@@ -105,41 +121,48 @@ def test_mpfa_selected():
     assert plugin.mpfa_selected(_Args("mpfa"))
     assert not plugin.mpfa_selected(_Args("flashinfer"))
     assert plugin.mpfa_selected(_Args("flashinfer", "mpfa", "mpfa"))
-    with pytest.raises(C.MpfaConfigError, match="both be mpfa"):
+    with pytest.raises(S.MpfaConfigError, match="both be mpfa"):
         plugin.mpfa_selected(_Args("mpfa", prefill="flashinfer"))
 
 
 # --- settings precedence -----------------------------------------------------------------------------------------
 
 def test_defaults():
-    s = C.resolve_settings(server_page_size=16, env={})
+    s = S.resolve_settings(server_page_size=16, env={})
     assert (s.recipe, s.compensation, s.page_size, s.kernel_backend) == ("qk4pv8", True, 16, "auto")
     assert s.sources["page_size"] == "sglang --page-size" and s.sources["recipe"] == "default"
 
 
+def _yaml(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
 def test_env_overrides_yaml_overrides_default(tmp_path):
-    y = {"recipe": "qk8pv8", "compensation": False, "page_size": 16}
-    s = C.resolve_settings(server_page_size=16, env={}, yaml_section=y)
-    assert (s.recipe, s.compensation) == ("qk8pv8", False) and s.sources["recipe"] == "yaml"
-    s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": "bf16", "MPFA_COMPENSATION": "on"}, yaml_section=y)
+    y = S.load_server_config(_yaml(tmp_path, "model: m\nsglang: {page-size: 16}\nmpfa: {recipe: qk8pv8, compensation: false}\n"))
+    s = S.resolve_settings(server_page_size=16, env={}, config=y)
+    assert (s.recipe, s.compensation) == ("qk8pv8", False) and s.sources["recipe"] == f"yaml {y.path}"
+    assert s.sources["page_size"] == f"yaml {y.path}"
+    s = S.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": "bf16", "MPFA_COMPENSATION": "on"}, config=y)
     assert (s.recipe, s.compensation) == ("bf16", True) and s.sources["recipe"] == "env MPFA_RECIPE"
     # MPFA_CONFIG names the YAML the scheduler processes read
-    s = C.resolve_settings(server_page_size=16, env={"MPFA_CONFIG": str(CONFIGS / "llama-3.1-8b-qk8pv8.yaml")})
+    s = S.resolve_settings(server_page_size=16, env={"MPFA_CONFIG": str(CONFIGS / "llama-3.1-8b-qk8pv8.yaml")})
     assert s.recipe == "qk8pv8" and s.sources["recipe"].startswith("yaml ")
-    s = C.resolve_settings(server_page_size=16, env={"MPFA_CONFIG": str(DEFAULT), "MPFA_RECIPE": "bf16"})
+    s = S.resolve_settings(server_page_size=16, env={"MPFA_CONFIG": str(DEFAULT), "MPFA_RECIPE": "bf16"})
     assert s.recipe == "bf16"
-    s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": ""}, yaml_section=y)   # empty = unset
+    s = S.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": ""}, config=y)   # empty = unset
     assert s.recipe == "qk8pv8"
 
 
 def test_page_size_must_match_sglang():
-    assert C.resolve_settings(server_page_size=32, env={"MPFA_PAGE_SIZE": "32"}).page_size == 32
-    with pytest.raises(C.MpfaConfigError, match=r"page size 16 \(from env MPFA_PAGE_SIZE\) differs from SGLang's --page-size 32"):
-        C.resolve_settings(server_page_size=32, env={"MPFA_PAGE_SIZE": "16"})
-    with pytest.raises(C.MpfaConfigError, match=r"SGLang --page-size.*one of \[1, 16, 32, 64\], got 8"):
-        C.resolve_settings(server_page_size=8, env={})
-    with pytest.raises(C.MpfaConfigError, match="no page size"):
-        C.resolve_settings(env={})
+    assert S.resolve_settings(server_page_size=32, env={"MPFA_PAGE_SIZE": "32"}).page_size == 32
+    with pytest.raises(S.MpfaConfigError, match=r"page size 16 \(from env MPFA_PAGE_SIZE\) differs from SGLang's --page-size 32"):
+        S.resolve_settings(server_page_size=32, env={"MPFA_PAGE_SIZE": "16"})
+    with pytest.raises(S.MpfaConfigError, match=r"SGLang --page-size.*one of \[1, 16, 32, 64\], got 8"):
+        S.resolve_settings(server_page_size=8, env={})
+    with pytest.raises(S.MpfaConfigError, match="no page size"):
+        S.resolve_settings(env={})
 
 
 @pytest.mark.parametrize("env, match", [
@@ -150,28 +173,45 @@ def test_page_size_must_match_sglang():
     ({"MPFA_CONFIG": "/nonexistent/x.yaml"}, r"no such server config file"),
 ])
 def test_bad_settings(env, match):
-    with pytest.raises(C.MpfaConfigError, match=match):
-        C.resolve_settings(server_page_size=16, env=env)
+    with pytest.raises(S.MpfaConfigError, match=match):
+        S.resolve_settings(server_page_size=16, env=env)
 
 
-def test_yaml_unknown_key(tmp_path):
-    p = tmp_path / "c.yaml"
-    p.write_text("model: m\nmpfa: {recipe: qk4pv8, recipie: bf16}\n")
-    with pytest.raises(C.MpfaConfigError, match=r"unknown keys in the mpfa section: \['recipie'\]"):
-        C.read_yaml_mpfa_section(p)
+@pytest.mark.parametrize("text, match", [
+    ("model: m\nmpfa: {recipe: qk4pv8, recipie: bf16}\n", r"unknown keys in the mpfa section: \['recipie'\]"),
+    ("model: m\nsglang: {page-size: 16}\nmpfa: {page_size: 16}\n",
+     r"mpfa.page_size: state the page size once, as sglang.page-size"),
+    ("model: m\nsglang: {page-size: 12}\n", r"sglang.page-size must be one of \[1, 16, 32, 64\], got 12"),
+    ("model: m\nsglang: {tp-size: 0}\n", r"sglang.tp-size must be a positive integer, got 0"),
+    ("model: m\nmpfa: {recipe: fp4}\n", r"mpfa.recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
+    ("model: m\nmpfa: {compensation: maybe}\n", r"mpfa.compensation must be a boolean"),
+    ("sglang: {page-size: 16}\n", r"missing 'model'"),
+    ("model: m\nmodle: x\n", r"unknown top-level keys \['modle'\]"),
+    ("model: m\nsglang: [page-size, 16]\n", r"sglang must be a mapping"),
+    ("model: m\nsglang: {page-size: 16\n", r"not valid YAML at line 3, column 1 .*: fix the syntax"),
+])
+def test_bad_server_config(tmp_path, text, match):
+    with pytest.raises(S.MpfaConfigError, match=r"c\.yaml: .*" + match):
+        S.load_server_config(_yaml(tmp_path, text))
+
+
+def test_every_server_config_states_the_page_size_once():
+    for path in CONFIGS.glob("*.yaml"):
+        cfg = S.load_server_config(path)   # raises if the mpfa section states it too
+        assert cfg.page_size == 16 and "page_size" not in cfg.mpfa
 
 
 def test_cell_size():
     # bytes per token per layer = num_kv_heads * recipe.bytes_per_token_head(head_dim)
     for recipe, per_head in (("bf16", 512), ("qk8pv8", 260), ("qk4pv8", 232)):
-        s = C.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": recipe})
+        s = S.resolve_settings(server_page_size=16, env={"MPFA_RECIPE": recipe})
         assert s.bytes_per_token_layer(8, 128) == 8 * per_head
 
 
 # --- launch command ----------------------------------------------------------------------------------------------
 
 def test_launch_command_default_config():
-    plan = C.build_launch(DEFAULT, env={}, python="python")
+    plan = L.build_launch(DEFAULT, env={}, python="python")
     a = plan.argv
     assert a[:3] == ["python", "-m", "sglang.launch_server"]
     assert a[a.index("--model-path") + 1] == str((CONFIGS / "models/llama-3.1-8b").resolve())
@@ -188,12 +228,12 @@ def test_launch_command_default_config():
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_server_config_launches(path):
-    plan = C.build_launch(path, env={})
-    assert plan.settings.recipe == plan.config.recipe and plan.settings.page_size == plan.config.page_size
+    plan = L.build_launch(path, env={})
+    assert plan.settings.recipe == plan.config.mpfa["recipe"] and plan.settings.page_size == plan.config.page_size
 
 
 def test_launch_env_precedence_and_extra_args():
-    plan = C.build_launch(DEFAULT, env={"MPFA_RECIPE": "bf16", "MPFA_PAGE_SIZE": "32", "SGLANG_PLUGINS": "other"},
+    plan = L.build_launch(DEFAULT, env={"MPFA_RECIPE": "bf16", "MPFA_PAGE_SIZE": "32", "SGLANG_PLUGINS": "other"},
                           extra_args=["--port", "30001"])
     assert plan.env["MPFA_RECIPE"] == "bf16" and plan.env["MPFA_PAGE_SIZE"] == "32"
     assert plan.argv[plan.argv.index("--page-size") + 1] == "32"
@@ -206,10 +246,10 @@ def test_launch_rejects_other_backend(tmp_path):
     (tmp_path / "m/config.json").write_text((CONFIGS / "models/llama-3.1-8b/config.json").read_text())
     p = tmp_path / "c.yaml"
     p.write_text("model: m\nsglang: {attention-backend: flashinfer, page-size: 16}\nmpfa: {recipe: bf16}\n")
-    with pytest.raises(C.MpfaConfigError, match="serves --attention-backend mpfa"):
-        C.build_launch(p, env={})
+    with pytest.raises(S.MpfaConfigError, match="serves --attention-backend mpfa"):
+        L.build_launch(p, env={})
     p.write_text("model: m\nsglang: {page-size: 16, disable-prefill-cuda-graph: false}\n")
-    assert "--disable-prefill-cuda-graph" not in C.build_launch(p, env={}).argv   # the YAML's choice wins
+    assert "--disable-prefill-cuda-graph" not in L.build_launch(p, env={}).argv   # the YAML's choice wins
 
 
 def test_launch_cli_print(capsys):
@@ -221,7 +261,7 @@ def test_launch_cli_print(capsys):
 
 
 def test_sglang_args():
-    assert C.sglang_args({"a-b": 1, "c_d": True, "e": False, "f": None, "g": [1, 2]}) == \
+    assert L.sglang_args({"a-b": 1, "c_d": True, "e": False, "f": None, "g": [1, 2]}) == \
         ["--a-b", "1", "--c-d", "--g", "1", "2"]
 
 
@@ -231,13 +271,13 @@ OK = dict(head_dim=128, num_qo_heads=32, num_kv_heads=8, page_size=16, recipe="q
 
 
 def test_supported_shapes():
-    C.check_model_supported(**OK)
-    C.check_model_supported(**{**OK, "head_dim": 64, "num_qo_heads": 9, "num_kv_heads": 3})   # SmolLM2
-    C.check_model_supported(**{**OK, "sliding_window": -1, "logit_cap": 0.0, "attn_type": "decoder"})
+    M.check_model_supported(**OK)
+    M.check_model_supported(**{**OK, "head_dim": 64, "num_qo_heads": 9, "num_kv_heads": 3})   # SmolLM2
+    M.check_model_supported(**{**OK, "sliding_window": -1, "logit_cap": 0.0, "attn_type": "decoder"})
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"head_dim": 256}, r"head_dim 256 is not supported: the decode kernel is built for head_dim \[64, 128\]"),
+    ({"head_dim": 256}, r"head_dim 256 is not supported: the decode and prefill kernels are built for head_dim \[64, 128\]"),
     ({"head_dim": 96}, r"head_dim 96"),
     ({"sliding_window": 4096}, r"sliding-window attention \(window 4096\)"),
     ({"logit_cap": 50.0}, r"attention logit soft cap \(50.0\)"),
@@ -253,25 +293,25 @@ def test_supported_shapes():
     ({"recipe": "fp4"}, r"recipe 'fp4'"),
 ])
 def test_unsupported(change, match):
-    with pytest.raises(C.UnsupportedModelError, match="--attention-backend mpfa cannot serve this model: " + match):
-        C.check_model_supported(**{**OK, **change})
+    with pytest.raises(M.UnsupportedModelError, match="--attention-backend mpfa cannot serve this model: " + match):
+        M.check_model_supported(**{**OK, **change})
 
 
 def test_hf_configs():
     llama = json.loads((CONFIGS / "models/llama-3.1-8b/config.json").read_text())
     qwen = json.loads((CONFIGS / "models/qwen3-14b/config.json").read_text())
-    assert C.check_hf_config(llama, page_size=16, recipe="qk4pv8")["num_kv_heads"] == 8
-    assert C.check_hf_config(qwen, page_size=16, recipe="qk4pv8")["num_qo_heads"] == 40
-    assert C.check_hf_config(llama, page_size=16, recipe="bf16", tp_size=2)["num_kv_heads"] == 4
+    assert M.check_hf_config(llama, page_size=16, recipe="qk4pv8")["num_kv_heads"] == 8
+    assert M.check_hf_config(qwen, page_size=16, recipe="qk4pv8")["num_qo_heads"] == 40
+    assert M.check_hf_config(llama, page_size=16, recipe="bf16", tp_size=2)["num_kv_heads"] == 4
     mistral = {**llama, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
-    with pytest.raises(C.UnsupportedModelError, match=r"model \(MistralForCausalLM\).*sliding-window"):
-        C.check_hf_config(mistral, page_size=16, recipe="qk4pv8")
+    with pytest.raises(M.UnsupportedModelError, match=r"model \(MistralForCausalLM\).*sliding-window"):
+        M.check_hf_config(mistral, page_size=16, recipe="qk4pv8")
     gemma2 = {**llama, "architectures": ["Gemma2ForCausalLM"], "head_dim": 256, "attn_logit_softcapping": 50.0}
-    with pytest.raises(C.UnsupportedModelError, match="Gemma2ForCausalLM"):
-        C.check_hf_config(gemma2, page_size=16, recipe="qk4pv8")
+    with pytest.raises(M.UnsupportedModelError, match="Gemma2ForCausalLM"):
+        M.check_hf_config(gemma2, page_size=16, recipe="qk4pv8")
     deepseek = {**llama, "kv_lora_rank": 512}
-    with pytest.raises(C.UnsupportedModelError, match="latent attention"):
-        C.check_hf_config(deepseek, page_size=16, recipe="qk4pv8")
+    with pytest.raises(M.UnsupportedModelError, match="latent attention"):
+        M.check_hf_config(deepseek, page_size=16, recipe="qk4pv8")
 
 
 # --- page table from req_to_token ---------------------------------------------------------------------------------
@@ -326,3 +366,20 @@ def test_register_with_real_sglang():
     assert attention_registry.ATTENTION_BACKENDS["mpfa"] is plugin.create_backend
     for target in plugin.HOOK_TARGETS:
         assert sum(1 for _, h, _ in HookRegistry._hooks[target] if h.__module__ == plugin.__name__) == 1
+
+
+def test_the_pool_hooks_resolve_the_settings_once(monkeypatch):
+    """Both KV-pool hooks of a scheduler process share one resolution (the backend then reads the pool's);
+    a different environment is a different resolution."""
+    from types import SimpleNamespace
+    plugin = _plugin_source()
+    for name in S.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    configurator = SimpleNamespace(page_size=16)   # the one attribute the hooks read for the settings
+    first = plugin._settings_for(configurator)
+    assert plugin._settings_for(configurator) is first and first.recipe == "qk4pv8"
+    monkeypatch.setenv("MPFA_RECIPE", "bf16")
+    assert plugin._settings_for(configurator).recipe == "bf16"
+    monkeypatch.setenv("MPFA_PAGE_SIZE", "32")
+    with pytest.raises(S.MpfaConfigError, match="differs from SGLang's --page-size 16"):
+        plugin._settings_for(configurator)

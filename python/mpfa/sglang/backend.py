@@ -24,12 +24,16 @@ import math
 
 import torch
 
-from ..backend import device_index, resolve
+from mpfa_jit import get_kernel
+
 from ..decode import BatchDecodeWrapper, resident_ctas, server_decode_splits, workspace_bytes as decode_workspace_bytes
+from ..dispatch import device_index, kernel_arch, resolve
 from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_bytes
-from .config import BACKEND_NAME, UnsupportedModelError, check_model_supported, resolve_settings
+from .compat import attn_tp_size, sglang_attr, sglang_version
+from .kernels import server_kernel_specs
+from .model import UnsupportedModelError, check_model_supported
 from .page_table import build_page_table, page_table_capacity
-from .plugin import attn_tp_size, sglang_attr, sglang_version
+from .settings import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +59,14 @@ class MpfaAttnBackend(AttentionBackend):
         super().__init__()
         from .pool import MpfaTokenToKVPool
         sa, mc = model_runner.server_args, model_runner.model_config
-        self.settings = resolve_settings(server_page_size=model_runner.page_size)
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, MpfaTokenToKVPool):
+            raise UnsupportedModelError(
+                f"--attention-backend {BACKEND_NAME} needs mpfa's KV pool, but SGLang {sglang_version()} built "
+                f"{type(pool).__name__}: the plugin's hook on KVCacheConfigurator._build_mha_kv_pool did not apply "
+                "(is the mpfa plugin loaded in the scheduler process? SGLANG_PLUGINS must include mpfa if set), or "
+                "this model uses a pool family mpfa does not serve")
+        self.settings = pool.settings   # resolved once, by the plugin's pool hook
         tp = attn_tp_size()
         self.num_qo_heads = mc.num_attention_heads // tp
         self.num_kv_heads = mc.get_num_kv_heads(tp)
@@ -73,13 +84,6 @@ class MpfaAttnBackend(AttentionBackend):
         if getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16:
             raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} serves bfloat16 models; this one runs in "
                                         f"{mc.dtype}: pass --dtype bfloat16")
-        pool = model_runner.token_to_kv_pool
-        if not isinstance(pool, MpfaTokenToKVPool):
-            raise UnsupportedModelError(
-                f"--attention-backend {BACKEND_NAME} needs mpfa's KV pool, but SGLang {sglang_version()} built "
-                f"{type(pool).__name__}: the plugin's hook on KVCacheConfigurator._build_mha_kv_pool did not apply "
-                "(is the mpfa plugin loaded in the scheduler process? SGLANG_PLUGINS must include mpfa if set), or "
-                "this model uses a pool family mpfa does not serve")
         self.pool, self.cache = pool, pool.cache
         self.page_size = self.settings.page_size
         self.recipe = self.settings.recipe
@@ -89,11 +93,19 @@ class MpfaAttnBackend(AttentionBackend):
         self.max_context_len = mc.context_len
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         kb = self.settings.kernel_backend
+        runs_kernels = resolve(kb, self.device) == "cuda"
+        if runs_kernels:
+            # Every kernel this server runs, loaded (built if the cache lacks it) before the first batch;
+            # python -m mpfa_jit.warmup builds the same list.
+            for spec in server_kernel_specs(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                            head_dim=self.head_dim, recipe=self.recipe, page_size=self.page_size,
+                                            arch=kernel_arch(self.device)):
+                get_kernel(spec)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # CTAs of the decode kernel an SM holds: the split count fills whole waves of them
         self.decode_resident_ctas = (resident_ctas(self.recipe, self.head_dim, self.page_size,
                                                    self.num_qo_heads // self.num_kv_heads, device_index(self.device))
-                                     if resolve(kb, self.device) == "cuda" else None)
+                                     if runs_kernels else None)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = BatchPrefillWrapper(self.workspace, backend=kb)
         self.decode_wrapper = BatchDecodeWrapper(self.workspace, backend=kb)

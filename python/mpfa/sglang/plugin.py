@@ -17,10 +17,12 @@ the lists against it. A name SGLang lacks raises :class:`SGLangCompatError` nami
 """
 from __future__ import annotations
 
-import importlib
 import logging
+import os
 
-from .config import BACKEND_NAME, MpfaConfigError
+from .compat import SGLangCompatError, attn_tp_size, sglang_attr, sglang_version
+from .model import check_model_supported
+from .settings import BACKEND_NAME, ENV_VARS, MpfaConfigError, MpfaSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -48,36 +50,9 @@ RUNTIME_NAMES = (
 GRAPH_METHODS = ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph",
                  "get_cuda_graph_seq_len_fill_value")
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
-TESTED_VERSIONS = ("0.5.17",)          # run on the H200
-STATIC_CHECKED_VERSIONS = ("0.5.23",)  # names checked against the source only
 
 _registered = False
-
-
-class SGLangCompatError(RuntimeError):
-    """This SGLang lacks a name mpfa's plugin uses."""
-
-
-def sglang_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("sglang")
-    except Exception:   # not installed as a distribution (source checkout)
-        return "unknown"
-
-
-def sglang_attr(module: str, name: str):
-    """``module.name`` from SGLang, or SGLangCompatError naming the SGLang version and what is missing."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise SGLangCompatError(f"mpfa's SGLang plugin needs module {module} ({e}); SGLang {sglang_version()} is "
-                                f"installed, mpfa is tested with SGLang {', '.join(TESTED_VERSIONS)}") from e
-    try:
-        return getattr(mod, name)
-    except AttributeError:
-        raise SGLangCompatError(f"mpfa's SGLang plugin needs {module}.{name}, which SGLang {sglang_version()} does "
-                                f"not define; mpfa is tested with SGLang {', '.join(TESTED_VERSIONS)}") from None
+_settings: dict[tuple, MpfaSettings] = {}   # (SGLang --page-size, MPFA_* values) -> the settings, resolved once
 
 
 def mpfa_selected(server_args) -> bool:
@@ -96,17 +71,15 @@ def mpfa_selected(server_args) -> bool:
     return False
 
 
-def attn_tp_size() -> int:
-    return sglang_attr("sglang.srt.runtime_context", "get_parallel")().attn_tp_size
-
-
-def _settings_for(kvc):
-    from .config import resolve_settings
-    return resolve_settings(server_page_size=kvc.page_size)
+def _settings_for(kvc) -> MpfaSettings:
+    """The settings both pool hooks use (the pool then carries them to the backend)."""
+    key = (kvc.page_size,) + tuple(os.environ.get(name) for name in ENV_VARS)
+    if key not in _settings:
+        _settings[key] = resolve_settings(server_page_size=kvc.page_size)
+    return _settings[key]
 
 
 def _check_configurator(kvc, settings):
-    from .config import check_model_supported
     mc = kvc.model_config
     check_model_supported(
         head_dim=mc.head_dim, v_head_dim=getattr(mc, "v_head_dim", mc.head_dim),

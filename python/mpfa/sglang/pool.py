@@ -1,6 +1,6 @@
 """The KV pool SGLang holds when ``--attention-backend mpfa`` is selected: one :class:`mpfa.PagedKVCache`
-in the recipe's compressed format (e.g. 204 bytes per token and KV head for qk4pv8 at head_dim 128,
-against 512 for bf16), built by the plugin's hook on ``KVCacheConfigurator._build_mha_kv_pool``.
+in the recipe's compressed format (``recipe.bytes_per_token_head(head_dim)`` bytes per token and KV head),
+built by the plugin's hook on ``KVCacheConfigurator._build_mha_kv_pool``.
 
 Slot ``s`` of SGLang's allocator is token ``s % page_size`` of page ``s // page_size``; the pool has
 ``size + page_size`` slots like SGLang's own (page 0 holds slot 0, the padding slot dummy writes go to).
@@ -14,8 +14,8 @@ import torch
 
 from ..append import append_kv
 from ..kv_cache import PagedKVCache
-from .config import MpfaSettings
-from .plugin import sglang_version, sglang_attr
+from .compat import sglang_attr, sglang_version
+from .settings import MpfaSettings
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,10 @@ class MpfaTokenToKVPool(KVCache):
         if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             raise TypeError(f"mpfa appends bf16 K/V, got {k.dtype}/{v.dtype}: serve the model in bfloat16")
         if not self.calibrated[i] and calibrate and k.shape[0] > 0 and not torch.cuda.is_current_stream_capturing():
-            self.cache.calibrate(i, k, v)
+            ignored = self.cache.calibrate(i, k, v, nonfinite="ignore")
+            if ignored:
+                logger.warning("mpfa: layer %d's first batch held %d non-finite K/V elements; its fixed scales were "
+                            "calibrated from the finite ones", layer_id, ignored)
             self.calibrated[i] = True
         append_kv(k, v, self.layers[i], loc if loc.dtype == torch.int64 else loc.long(), backend=self.kernel_backend)
 

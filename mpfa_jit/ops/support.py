@@ -1,0 +1,61 @@
+"""What every op's support table shares: the recipe names (defined once, by ``mpfa.recipes``) and the
+error an unsupported specialization raises."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..errors import UnknownKernelError
+
+
+class _RecipeNames(Sequence):
+    """The names of ``mpfa.recipes.RECIPES``, read at first use: mpfa imports mpfa_jit at module level, so
+    mpfa_jit cannot import mpfa while it is itself being imported."""
+
+    def _names(self) -> tuple[str, ...]:
+        from mpfa.recipes.recipe import RECIPES
+        return tuple(RECIPES)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+# Every kernel is built for every recipe mpfa.recipes defines.
+ALL_RECIPES = _RecipeNames()
+
+
+def _must(values) -> str:
+    values = list(values)
+    if len(values) > 3 and values == list(range(values[0], values[-1] + 1)):
+        return f"must be in {values[0]}..{values[-1]}"
+    return f"must be one of {values}"
+
+
+def check(kernel: str, values: dict, accepted: dict) -> None:
+    """Raise :class:`UnknownKernelError` when ``kernel`` (e.g. "decode") has no specialization for ``values``:
+    the message names the specialization asked for, and each value outside its ``accepted`` table."""
+    bad = [f"{name} {_must(accepted[name])}, got {value!r}" for name, value in values.items()
+           if value not in accepted[name]]
+    if bad:
+        asked = ", ".join(f"{name}={value!r}" for name, value in values.items())
+        raise UnknownKernelError(f"no {kernel} kernel for {asked}: {'; '.join(bad)}")
+
+
+def gqa_group(num_qo_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head (the GQA group); raises unless num_qo_heads is a positive multiple of a
+    positive num_kv_heads."""
+    if not (isinstance(num_qo_heads, int) and isinstance(num_kv_heads, int) and num_qo_heads > 0
+            and num_kv_heads > 0 and num_qo_heads % num_kv_heads == 0):
+        raise ValueError(f"num_qo_heads {num_qo_heads!r} must be a positive multiple of num_kv_heads "
+                         f"{num_kv_heads!r} (both positive integers)")
+    return num_qo_heads // num_kv_heads

@@ -1,0 +1,132 @@
+"""Which models mpfa serves: pure functions of plain values (a HuggingFace config.json, head counts), so
+they run, and are tested, without SGLang. The launcher, warmup, the KV-pool hooks and the backend all
+refuse through :func:`check_model_supported`, with the same message."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+from mpfa_jit.ops import OPS, decode as _decode_op, prefill as _prefill_op
+
+from ..recipes import RECIPES
+from .settings import MpfaConfigError, parse_positive_int
+
+
+def _served(tables) -> tuple:
+    """The values every table holds, in the first one's order."""
+    first, *rest = tables
+    return tuple(v for v in first if all(v in t for t in rest))
+
+
+# What a server needs every kernel it runs (append, decode, prefill: mpfa_jit.ops) to be built for.
+HEAD_DIMS = _served([op.HEAD_DIMS for op in OPS])
+PAGE_SIZES = _served([op.PAGE_SIZES for op in OPS])
+GROUP_SIZES = _served([_decode_op.GROUP_SIZES, _prefill_op.GROUP_SIZES])
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or an attention feature it uses) is one mpfa does not serve: raised before any
+    forward pass, so it never produces wrong output."""
+
+
+def check_model_supported(*, head_dim: int, num_qo_heads: int, num_kv_heads: int, page_size: int, recipe: str,
+                          v_head_dim: int | None = None, use_mla: bool = False, sliding_window: int | None = None,
+                          logit_cap: float = 0.0, is_encoder_decoder: bool = False, is_cross_attention: bool = False,
+                          attn_type: str = "decoder", hybrid: str | None = None, what: str = "model") -> None:
+    """Raise :class:`UnsupportedModelError` naming the first thing mpfa cannot serve. ``num_*_heads`` are
+    per GPU (after tensor parallelism). ``attn_type``: SGLang's AttentionType value ("decoder", ...).
+    ``hybrid``: a description of a hybrid architecture (Mamba, linear attention, hybrid SWA), or None."""
+    def fail(msg):
+        raise UnsupportedModelError(f"--attention-backend mpfa cannot serve this {what}: {msg}")
+
+    if use_mla:
+        fail("multi-head latent attention (MLA, e.g. DeepSeek) is not supported; mpfa serves MHA/GQA/MQA")
+    if hybrid:
+        fail(f"hybrid architecture ({hybrid}) is not supported; mpfa serves full-attention decoder models")
+    if is_encoder_decoder or is_cross_attention:
+        fail("cross attention (encoder-decoder models) is not supported")
+    if attn_type not in ("decoder", None):
+        fail(f"attention type {attn_type!r} is not supported (encoder-only and bidirectional attention are not); "
+             "mpfa serves causal decoder self-attention")
+    if sliding_window is not None and sliding_window > 0:
+        fail(f"sliding-window attention (window {sliding_window}) is not supported")
+    if logit_cap and logit_cap > 0:
+        fail(f"attention logit soft cap ({logit_cap}) is not supported")
+    if v_head_dim is not None and v_head_dim != head_dim:
+        fail(f"V head_dim {v_head_dim} differs from the QK head_dim {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        fail(f"head_dim {head_dim} is not supported: the decode and prefill kernels are built for head_dim "
+             f"{list(HEAD_DIMS)}")
+    if (not isinstance(num_qo_heads, int) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0
+            or num_qo_heads <= 0 or num_qo_heads % num_kv_heads):
+        fail(f"num_qo_heads {num_qo_heads} must be a positive multiple of num_kv_heads {num_kv_heads}")
+    if num_qo_heads // num_kv_heads not in GROUP_SIZES:
+        fail(f"GQA group size {num_qo_heads // num_kv_heads} (query heads per KV head) is above {max(GROUP_SIZES)}")
+    if page_size not in PAGE_SIZES:
+        fail(f"page size {page_size} is not supported: pass --page-size one of {list(PAGE_SIZES)}")
+    if recipe not in RECIPES:
+        fail(f"recipe {recipe!r} is unknown: one of {list(RECIPES)}")
+
+
+def read_hf_config(model_dir: "str | Path") -> dict:
+    """A model folder's config.json, or :class:`MpfaConfigError` saying what is missing and where."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise MpfaConfigError(f"model folder {model_dir} does not exist: give a folder with the model's config.json "
+                              "(a server config's 'model' is relative to the config file)")
+    if not path.is_file():
+        raise MpfaConfigError(f"model folder {model_dir} has no config.json: copy the model's HuggingFace "
+                              "config.json there")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MpfaConfigError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
+    if not isinstance(cfg, dict):
+        raise MpfaConfigError(f"{path}: must hold a JSON object (a HuggingFace model config)")
+    return cfg
+
+
+def hf_config_facts(cfg: Mapping, *, tp_size: int = 1, where: str = "config.json") -> dict:
+    """The attention facts of a HuggingFace config.json dict that :func:`check_model_supported` takes
+    (heads per GPU under ``tp_size``-way tensor parallelism)."""
+    tp_size = parse_positive_int("tp-size", tp_size)
+    heads = cfg.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        raise MpfaConfigError(f"{where}: num_attention_heads must be a positive integer, got {heads!r}")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if not isinstance(kv_heads, int) or kv_heads < 1:
+        raise MpfaConfigError(f"{where}: num_key_value_heads must be a positive integer, got {kv_heads!r}")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if not isinstance(cfg.get("hidden_size"), int):
+            raise MpfaConfigError(f"{where}: has neither head_dim nor hidden_size: add \"head_dim\" (the attention "
+                                  "head size) to it")
+        head_dim = cfg["hidden_size"] // heads
+    if heads % tp_size:
+        raise MpfaConfigError(f"tp-size {tp_size} must divide num_attention_heads {heads} ({where})")
+    layer_types = cfg.get("layer_types") or ()
+    sliding = None
+    if cfg.get("sliding_window") and (cfg.get("use_sliding_window", True) or "sliding_attention" in layer_types):
+        sliding = int(cfg["sliding_window"])
+    hybrid = None
+    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        hybrid = f"layer types {sorted(set(layer_types))}"
+    elif cfg.get("mamba_d_state") or cfg.get("linear_num_key_heads") or cfg.get("hybrid_override_pattern"):
+        hybrid = "Mamba / linear-attention layers"
+    return dict(
+        head_dim=int(head_dim), v_head_dim=int(cfg.get("v_head_dim") or head_dim),
+        num_qo_heads=heads // tp_size, num_kv_heads=max(1, kv_heads // tp_size),   # SGLang replicates KV heads
+        use_mla=bool(cfg.get("kv_lora_rank")), sliding_window=sliding,
+        logit_cap=float(cfg.get("attn_logit_softcapping") or 0.0),
+        is_encoder_decoder=bool(cfg.get("is_encoder_decoder")), hybrid=hybrid)
+
+
+def check_hf_config(cfg: Mapping, *, page_size: int, recipe: str, tp_size: int = 1,
+                    where: str = "config.json") -> dict:
+    """:func:`hf_config_facts`, refused through :func:`check_model_supported`; returns the facts."""
+    facts = hf_config_facts(cfg, tp_size=tp_size, where=where)
+    arch = ",".join(cfg.get("architectures") or ["?"])
+    check_model_supported(page_size=page_size, recipe=recipe, what=f"model ({arch})", **facts)
+    return facts

@@ -1,0 +1,237 @@
+"""mpfa's server settings and the server config YAML they come from (pure Python: no SGLang, no GPU).
+
+A server config (server_configs/*.yaml)::
+
+    model: models/llama-3.1-8b                 # a folder with config.json, relative to the YAML file
+    sglang: {page-size: 16, tp-size: 1, ...}   # python -m sglang.launch_server --<key> <value>
+    mpfa: {recipe: qk4pv8, compensation: true} # keys: recipe, compensation, kernel_backend, prefill_cuda_graph
+
+Where each setting comes from, highest precedence first:
+
+1. environment variables: ``MPFA_RECIPE``, ``MPFA_COMPENSATION``, ``MPFA_PAGE_SIZE``, ``MPFA_KERNEL_BACKEND``;
+2. the server config named by ``MPFA_CONFIG`` (``python -m mpfa.sglang.launch`` sets it): its ``mpfa:``
+   section, and its page size ``sglang.page-size``;
+3. defaults: recipe ``qk4pv8``, compensation on, page size = SGLang's ``--page-size``, kernel backend ``auto``.
+
+The page size is stated once per YAML, as ``sglang.page-size`` (SGLang's ``--page-size``, the one the
+server really uses); ``mpfa.page_size`` is an error saying so. A page size resolved from 1. or 2. that
+differs from the server's ``--page-size`` is an error, never silently replaced. SGLang scheduler
+processes inherit the launcher's environment, so every process resolves the same settings, and so does
+``python -m mpfa_jit.warmup``, through :func:`resolve_settings`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import yaml
+
+from mpfa_jit.ops import append_kv as _append_op
+
+from ..recipes import DEFAULT_RECIPE, RECIPES, get_recipe
+
+BACKEND_NAME = "mpfa"
+
+ENV_RECIPE = "MPFA_RECIPE"
+ENV_COMPENSATION = "MPFA_COMPENSATION"
+ENV_PAGE_SIZE = "MPFA_PAGE_SIZE"
+ENV_KERNEL_BACKEND = "MPFA_KERNEL_BACKEND"
+ENV_CONFIG = "MPFA_CONFIG"
+ENV_VARS = (ENV_RECIPE, ENV_COMPENSATION, ENV_PAGE_SIZE, ENV_KERNEL_BACKEND, ENV_CONFIG)
+
+KERNEL_BACKENDS = ("auto", "reference")   # "reference": the PyTorch oracle, by name only (debugging)
+PAGE_SIZES = _append_op.PAGE_SIZES        # every op serves the pages the cache holds (mpfa.sglang.model checks)
+TOP_LEVEL_KEYS = ("model", "sglang", "mpfa")
+MPFA_KEYS = ("recipe", "compensation", "kernel_backend", "prefill_cuda_graph")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class MpfaConfigError(ValueError):
+    """A bad mpfa setting or server config (environment, YAML, model folder or command line)."""
+
+
+@dataclass(frozen=True)
+class MpfaSettings:
+    recipe: str
+    compensation: bool
+    page_size: int
+    kernel_backend: str = "auto"
+    sources: dict = field(default_factory=dict, compare=False)   # setting -> "env MPFA_...", "yaml <path>", "default", "sglang --page-size"
+
+    @property
+    def recipe_obj(self):
+        return get_recipe(self.recipe)
+
+    def bytes_per_token_layer(self, num_kv_heads: int, head_dim: int) -> int:
+        """KV-cache bytes one token of one layer stores: num_kv_heads * recipe.bytes_per_token_head(head_dim)."""
+        return num_kv_heads * self.recipe_obj.bytes_per_token_head(head_dim)
+
+
+def parse_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise MpfaConfigError(f"{name} must be a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)}), got {value!r}")
+
+
+def parse_recipe(name: str, value) -> str:
+    if value not in RECIPES:
+        raise MpfaConfigError(f"{name} must be one of {list(RECIPES)}, got {value!r}")
+    return value
+
+
+def _as_int(value) -> int | None:
+    """The integer a YAML or environment value spells (never a bool), or None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return None
+
+
+def parse_page_size(name: str, value) -> int:
+    p = _as_int(value)
+    if p not in PAGE_SIZES:
+        raise MpfaConfigError(f"{name} must be one of {list(PAGE_SIZES)}, got {value!r}")
+    return p
+
+
+def parse_positive_int(name: str, value) -> int:
+    n = _as_int(value)
+    if n is None or n < 1:
+        raise MpfaConfigError(f"{name} must be a positive integer, got {value!r}")
+    return n
+
+
+def parse_kernel_backend(name: str, value) -> str:
+    if value not in KERNEL_BACKENDS:
+        raise MpfaConfigError(f"{name} must be one of {list(KERNEL_BACKENDS)}, got {value!r}")
+    return value
+
+
+_PARSERS = {"recipe": parse_recipe, "compensation": parse_bool, "page_size": parse_page_size,
+            "kernel_backend": parse_kernel_backend, "prefill_cuda_graph": parse_bool}
+_ENV_OF = {"recipe": ENV_RECIPE, "compensation": ENV_COMPENSATION, "page_size": ENV_PAGE_SIZE,
+           "kernel_backend": ENV_KERNEL_BACKEND}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server config YAML: read in one place.
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServerConfig:
+    path: Path          # the YAML, absolute
+    model_dir: Path     # the model folder it names, absolute (not checked here: see mpfa.sglang.model)
+    sglang: dict        # the sglang: section, keys as SGLang's flags without "--" ("page-size")
+    mpfa: dict          # the mpfa: section, parsed (only the keys the YAML states)
+
+    @property
+    def page_size(self) -> int | None:
+        return self.sglang.get("page-size")
+
+    @property
+    def tp_size(self) -> int:
+        return self.sglang.get("tp-size", 1)
+
+
+def _mapping(path: Path, name: str, value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise MpfaConfigError(f"{path}: {name} must be a mapping of keys to values, got {type(value).__name__}")
+    return value
+
+
+def load_server_config(path: "str | Path") -> ServerConfig:
+    """Read and check a server config YAML: unknown keys, a bad value, or a page size stated in the
+    ``mpfa:`` section raise :class:`MpfaConfigError` naming the file, the key and what is accepted."""
+    path = Path(path)
+    if not path.is_file():
+        raise MpfaConfigError(f"{path}: no such server config file (see server_configs/*.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise MpfaConfigError(f"{path}: not valid YAML{at} ({getattr(e, 'problem', None) or e}): "
+                              "fix the syntax") from None
+    data = _mapping(path, "the file", data)
+    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS), key=str)
+    if unknown:
+        raise MpfaConfigError(f"{path}: unknown top-level keys {unknown}; accepted: {list(TOP_LEVEL_KEYS)}")
+    if not isinstance(data.get("model"), str) or not data["model"]:
+        raise MpfaConfigError(f"{path}: missing 'model' (a folder with config.json, relative to the config)")
+    sglang = {str(k).removeprefix("--").replace("_", "-"): v
+              for k, v in _mapping(path, "sglang", data.get("sglang")).items()}
+    if "page-size" in sglang:
+        sglang["page-size"] = parse_page_size(f"{path}: sglang.page-size", sglang["page-size"])
+    if "tp-size" in sglang:
+        sglang["tp-size"] = parse_positive_int(f"{path}: sglang.tp-size", sglang["tp-size"])
+    section = _mapping(path, "mpfa", data.get("mpfa"))
+    if "page_size" in section:
+        raise MpfaConfigError(f"{path}: mpfa.page_size: state the page size once, as sglang.page-size (SGLang's "
+                              "--page-size, which mpfa follows); remove mpfa.page_size")
+    unknown = sorted(set(section) - set(MPFA_KEYS), key=str)
+    if unknown:
+        raise MpfaConfigError(f"{path}: unknown keys in the mpfa section: {unknown}; accepted: {list(MPFA_KEYS)}")
+    mpfa = {k: _PARSERS[k](f"{path}: mpfa.{k}", v) for k, v in section.items() if v is not None}
+    return ServerConfig(path.resolve(), (path.parent / data["model"]).resolve(), sglang, mpfa)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolution: environment > YAML > defaults.
+# ---------------------------------------------------------------------------------------------------------------
+
+def config_from_env(env: Mapping[str, str]) -> ServerConfig | None:
+    """The server config ``MPFA_CONFIG`` names, or None when it is unset."""
+    if not env.get(ENV_CONFIG):
+        return None
+    try:
+        return load_server_config(env[ENV_CONFIG])
+    except MpfaConfigError as e:
+        raise MpfaConfigError(f"{ENV_CONFIG}={e}") from None
+
+
+def resolve_settings(*, server_page_size: int | None = None, env: Mapping[str, str] | None = None,
+                     config: ServerConfig | None = None) -> MpfaSettings:
+    """The settings, with the documented precedence: environment > the server config > defaults.
+    ``config`` defaults to the file ``MPFA_CONFIG`` names in ``env``. ``server_page_size`` is SGLang's
+    ``--page-size`` (None where no server runs yet: the launcher, warmup); a different resolved page size
+    raises."""
+    env = os.environ if env is None else env
+    if config is None:
+        config = config_from_env(env)
+    from_yaml = dict(config.mpfa) if config else {}
+    if config and config.page_size is not None:
+        from_yaml["page_size"] = config.page_size
+    defaults = {"recipe": DEFAULT_RECIPE, "compensation": True, "page_size": server_page_size, "kernel_backend": "auto"}
+    values, sources = {}, {}
+    for key, env_name in _ENV_OF.items():
+        if env.get(env_name, "") != "":
+            values[key], sources[key] = _PARSERS[key](env_name, env[env_name]), f"env {env_name}"
+        elif from_yaml.get(key) is not None:
+            values[key], sources[key] = from_yaml[key], f"yaml {config.path}"
+        else:
+            values[key], sources[key] = defaults[key], "default"
+    if server_page_size is not None:
+        server_page_size = parse_page_size("SGLang --page-size (mpfa pages)", server_page_size)
+        if values["page_size"] != server_page_size:
+            raise MpfaConfigError(
+                f"mpfa page size {values['page_size']} (from {sources['page_size']}) differs from SGLang's "
+                f"--page-size {server_page_size}: pass --page-size {values['page_size']} or change the mpfa setting")
+        if sources["page_size"] == "default":
+            sources["page_size"] = "sglang --page-size"
+    if values["page_size"] is None:
+        raise MpfaConfigError(f"no page size: set sglang.page-size in the server config, SGLang's --page-size, or "
+                              f"{ENV_PAGE_SIZE} (one of {list(PAGE_SIZES)})")
+    return MpfaSettings(values["recipe"], values["compensation"], values["page_size"], values["kernel_backend"],
+                        sources)
