@@ -1,5 +1,5 @@
-"""Read and write `benchmarks/results/<name>.json`: one object {"meta", "summary", "rows"}
-(DESIGN.md section 7). `rows` hold every measurement, ceilings included (kind "ceiling"),
+"""Read and write `benchmarks/results/<name>.json`: one object {"meta", "summary", "rows"}.
+`rows` hold every measurement, ceilings included (kind "ceiling"),
 so `summary` can always be recomputed from `rows` by the suite's `summarize` - and the
 report checks that it is.
 """

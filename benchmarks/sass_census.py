@@ -18,16 +18,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-# (op, params) per specialization; the "default" set covers every recipe and head_dim with the page sizes
-# whose code differs (1: one token per page; 16: the common case; 64: a page larger than a decode tile).
-_DEFAULT = {
-    "append_kv": [dict(recipe=r, head_dim=d, page_size=p)
-                  for r in ("bf16", "qk8pv8", "qk4pv8") for d in (64, 128, 256) for p in (1, 16)],
-    "decode": [dict(recipe=r, head_dim=d, page_size=p, group_size=g)
-               for r in ("bf16", "qk8pv8", "qk4pv8") for d in (64, 128) for p in (1, 16, 64) for g in (1, 4, 8)],
-    "prefill": [dict(recipe=r, head_dim=d, page_size=p)
-                for r in ("bf16", "qk8pv8", "qk4pv8") for d in (64, 128) for p in (1, 16)],
-}
+# The page sizes whose code differs: 1 (one token per page), 16 (the common case), 64 (a page larger than a
+# decode tile); decode's GQA groups 1, 4 and 8. Recipes and head_dims: every one the op builds.
+_PAGES = (1, 16, 64)
+
+
+def _default_params(op: str) -> list[dict]:
+    from mpfa_jit import ops
+    mod = getattr(ops, op)
+    pages = [p for p in _PAGES if p in mod.PAGE_SIZES and (op == "decode" or p != 64)]
+    rows = [dict(recipe=r, head_dim=d, page_size=p) for r in mod.RECIPES for d in mod.HEAD_DIMS for p in pages]
+    if op == "decode":
+        rows = [dict(row, group_size=g) for row in rows for g in (1, 4, 8)]
+    return rows
+
+
+OPS = ("append_kv", "decode", "prefill")
 
 _INSTR = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _FUNC = re.compile(r"^\s+Function : (\S+)")
@@ -36,10 +42,9 @@ _RES = re.compile(r"Function (\S+):\s*\n?\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) L
 
 def _specs(ops):
     from mpfa_jit import env
-    from mpfa_jit.ops import append_kv, decode, prefill
-    mods = {"append_kv": append_kv, "decode": decode, "prefill": prefill}
+    from mpfa_jit import ops as op_modules
     arch = env.target_arch()
-    return [mods[op].spec(**params, arch=arch) for op in ops for params in _DEFAULT[op]]
+    return [getattr(op_modules, op).spec(**params, arch=arch) for op in ops for params in _default_params(op)]
 
 
 def census_of(library: str) -> dict:
@@ -143,9 +148,9 @@ def main(argv=None) -> int:
         with open(a.compare[0]) as f, open(a.compare[1]) as g:
             return 1 if compare(json.load(f), json.load(g)) else 0
     ops = [o.strip() for o in a.ops.split(",") if o.strip()]
-    unknown = [o for o in ops if o not in _DEFAULT]
+    unknown = [o for o in ops if o not in OPS]
     if unknown:
-        ap.error(f"--ops: unknown {unknown}; accepted: {list(_DEFAULT)}")
+        ap.error(f"--ops: unknown {unknown}; accepted: {list(OPS)}")
     result = run(ops, a.jobs)
     text = json.dumps(result, indent=1, sort_keys=True)
     if a.out:

@@ -1,10 +1,16 @@
-"""The kernel cache CLI: ``python -m mpfa_jit.cache {list,size,clear}`` (also ``mpfa-cache``)."""
+"""The kernel cache CLI: ``python -m mpfa_jit.cache {list,size,clear}`` (also ``mpfa-cache``).
+
+Exit codes: 0 done; 2 bad usage, or MPFA_CACHE_DIR names a folder that is not an mpfa cache (nothing
+is read or deleted there); 1 a failure while doing it (an OSError); 130 interrupted (Ctrl-C).
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .store import Store
+from .store import NotACacheError, Store
+
+PROG = "python -m mpfa_jit.cache"
 
 
 def _human(n: int) -> str:
@@ -15,24 +21,65 @@ def _human(n: int) -> str:
     return f"{n:.1f} GiB"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def _list(store: Store) -> None:
+    if not store.require_cache("not listing it"):
+        print(f"no kernel cache at {store.root} (nothing built yet)")
+        return
+    entries = store.entries()
+    for e in entries:
+        m = e.manifest
+        state = store.check(e.uri)
+        print(f"{m.get('key', e.uri):<60} {_human(e.size):>10}  built in {m.get('build_seconds', '?')} s  "
+              f"{m.get('compiler', '')}  [{state}]")
+    print(f"{len(entries)} kernels in {store.root}")
+    failed = store.failed()
+    if failed:
+        print(f"{len(failed)} failed builds kept (sources and build.log) in {store.root / 'failed'} until clear")
+
+
+def _clear(store: Store) -> None:
+    if store.state() == "empty":
+        print(f"no kernel cache at {store.root}: nothing to clear")
+        return
+    done = store.clear()
+    builds = f"{done.removed} build" + ("" if done.removed == 1 else "s")
+    line = f"freed {_human(done.freed)} ({builds}) from {store.root}"
+    if done.busy:
+        line += f"; skipped {len(done.busy)} being built now ({', '.join(done.busy)})"
+    if done.foreign:
+        shown = ", ".join(done.foreign[:4]) + (", ..." if len(done.foreign) > 4 else "")
+        line += f"; left {len(done.foreign)} unrecognised ({shown})"
+    print(line)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mpfa_jit.cache", description="Inspect or clear mpfa's kernel cache "
-                                 "(MPFA_CACHE_DIR, default ~/.cache/mpfa).")
+    ap = _Parser(prog=PROG, description="Inspect or clear mpfa's kernel cache (MPFA_CACHE_DIR, default "
+                 "~/.cache/mpfa). clear deletes only the builds, locks and logs it recognises, and refuses a "
+                 "folder without the cache's marker (CACHEDIR.TAG).")
     ap.add_argument("command", choices=("list", "size", "clear"))
     a = ap.parse_args(argv)
     store = Store()
-    if a.command == "list":
-        entries = store.entries()
-        for e in entries:
-            m = e.manifest
-            state = store.check(e.uri)
-            print(f"{m.get('key', e.uri):<60} {_human(e.size):>10}  built in {m.get('build_seconds', '?')} s  "
-                  f"{m.get('compiler', '')}  [{state}]")
-        print(f"{len(entries)} kernels in {store.root}")
-    elif a.command == "size":
-        print(f"{_human(store.size())}  {store.root}")
-    else:
-        print(f"freed {_human(store.clear())} from {store.root}")
+    try:
+        if a.command == "list":
+            _list(store)
+        elif a.command == "size":
+            print(f"{_human(store.size())}  {store.root}")
+        else:
+            _clear(store)
+    except NotACacheError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"{PROG}: {a.command} failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -6,7 +6,7 @@
 | MPFA_NVCC             | the nvcc to build with                                     | $CUDA_HOME/bin/nvcc, then PATH, then /usr/local/cuda/bin/nvcc |
 | MPFA_CUDA_ARCH        | target, e.g. ``sm_90a``; set it to build without a GPU     | the current GPU's    |
 | MPFA_JIT_JOBS         | parallel builds in warmup                                  | CPU count, at most 8 |
-| MPFA_JIT_VERBOSE      | 1: print every build command and the compiler's output    | 0                    |
+| MPFA_JIT_VERBOSE      | 1: log every build command and the compiler's output      | 0                    |
 """
 from __future__ import annotations
 
@@ -24,8 +24,28 @@ from .errors import NvccNotFoundError, UnsupportedArchError
 SUPPORTED_ARCHS = ("sm_90a",)
 
 
+# The file that makes a folder an mpfa kernel cache. CACHEDIR.TAG follows the Cache Directory Tagging
+# Specification (backup tools skip the folder); the mpfa line tells it from other tools' tags.
+CACHE_MARKER = "CACHEDIR.TAG"
+CACHE_MARKER_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This folder is an mpfa kernel cache (MPFA_CACHE_DIR). `python -m mpfa_jit.cache clear` deletes only\n"
+    "# the builds it recognises here; see mpfa_jit/store.py for the layout.\n"
+)
+_MARKER_ID = "mpfa kernel cache"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MPFA_CACHE_DIR") or Path.home() / ".cache" / "mpfa").expanduser()
+
+
+def is_marked_cache(root: Path) -> bool:
+    """Whether ``root`` carries mpfa's cache marker."""
+    try:
+        with open(Path(root) / CACHE_MARKER, encoding="utf-8", errors="replace") as f:
+            return _MARKER_ID in f.read(4096)
+    except OSError:
+        return False
 
 
 def verbose() -> bool:
@@ -89,7 +109,8 @@ def _compiler_id(path: str, size: int, mtime: int) -> str:
     out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
     version = [line for line in out.splitlines() if line.strip()][-1].strip()
     known[tag] = version
-    memo.parent.mkdir(parents=True, exist_ok=True)
+    if not is_marked_cache(memo.parent):   # never write into a folder that is not (yet) a kernel cache
+        return version
     # Threads of one warmup and processes of one server may all get here: unique temp names, then an
     # atomic replace; the last writer wins and every writer wrote the same version line.
     tmp = memo.with_name(f"compiler.{os.getpid()}.{threading.get_ident()}.tmp")

@@ -5,7 +5,7 @@
 Each queue (``benchmarks/e2e/queue.sh``, one GPU each) starts from a copy of the committed file and ends
 with it plus its own rows. A row of a queue file that the committed file does not hold, byte for byte, is
 that queue's measurement: it replaces the committed row of the same configuration and length
-(``sglang_check.merge_rows``), and the queue's calls join ``meta.calls`` so each row keeps its command.
+(``benchmarks.e2e.results.merge_rows``), and the queue's calls join ``meta.calls`` so each row keeps its command.
 The files are taken in the order given; a later file's row wins over an earlier one's of the same key.
 """
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import results_io
-from benchmarks.e2e import sglang_check
+from benchmarks.e2e import results as e2e_results
 
 
 def _canon(obj) -> str:
@@ -41,7 +41,7 @@ def merge(base: dict, queues: list[dict]) -> tuple[dict, list[dict]]:
         q_rows, q_calls = new_rows_and_calls(base, q)
         if q_rows:
             meta = q["meta"]
-        rows = sglang_check.merge_rows(rows, q_rows)
+        rows = e2e_results.merge_rows(rows, q_rows)
         calls += [c for c in q_calls if c not in calls]
     return {**meta, "calls": calls}, rows
 
@@ -54,13 +54,13 @@ def main(argv=None) -> int:
     missing = [f for f in args.files if not Path(f).is_file()]
     if missing:
         ap.error(f"files: not found: {', '.join(missing)}")
-    base = sglang_check.read_result(Path(args.out))
+    base = e2e_results.read_result(Path(args.out))
     queues = [results_io.read(Path(f)) for f in args.files]
     meta, rows = merge(base, queues)
     if not rows:
         print("nothing new in the queue files", file=sys.stderr)
         return 1
-    sglang_check.write_rows(base["rows"], rows, Path(args.out), meta)
+    e2e_results.write_rows(base["rows"], rows, Path(args.out), meta)
     for r in rows:
         print(f"{r['part']} {r.get('group', '')}: {r.get('status')}")
     return 0

@@ -31,21 +31,17 @@ from pathlib import Path
 
 from benchmarks import meta as bench_meta
 from benchmarks import results_io
-from benchmarks.stats import geomean
+# RESULT, TABLE and summarize: benchmarks.report finds the file's summary and table through this module.
+from benchmarks.e2e.results import (NEW_TOKENS, RESULT, SCORER, TABLE, read_result, summarize,  # noqa: F401
+                                    with_calls, write_rows)
+from mpfa_jit.ops.decode import RECIPES
 
 REPO = Path(__file__).resolve().parents[2]
-RESULT = "e2e_sglang_h200"
 PARTS = ("agreement", "capacity", "launch")
-ALL_PARTS = PARTS + ("throughput", "soak", "tp")   # the last three: benchmarks.e2e.throughput
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 SMOLLM2_DIR = REPO / "server_configs" / "models" / "smollm2-135m"
 LLAMA_DIR = REPO / "server_configs" / "models" / "llama-3.1-8b"
 DEFAULT_CONFIG = REPO / "server_configs" / "llama-3.1-8b-qk4pv8.yaml"
-NUM_PROMPTS, NEW_TOKENS = 20, 64
-# README columns (benchmarks.report): one row per server started
-TABLE = [("part", "part", "{}"), ("configuration", "config", "{}"), ("prompts", "prompt_set", "{}"),
-         ("model", "model", "{}"), ("status", "status", "{}"), ("max_total_num_tokens", "max_total_num_tokens", "{:,}"),
-         ("startup s", "startup_s", "{:.0f}"), ("error", "error", "{}")]
+NUM_PROMPTS = 20
 PAGE_SIZE = 16
 CHILD_MARK = "@@sglang_check@@"
 CHILD_TIMEOUT_S = 420
@@ -214,8 +210,6 @@ def _configs(part: str, smollm2: Path, mem_fraction: float, graphs_off: bool = T
     return out
 
 
-SCORER = "flashinfer-bf16-scoring"
-
 
 def _row(part: str, cfg: dict, res: dict, seconds: float, prompt_set: str | None) -> dict:
     row = {"part": part, "config": cfg["config"], "backend": cfg["backend"], "recipe": cfg.get("recipe"),
@@ -300,227 +294,7 @@ def run_launch_part(out_dir: Path, config: Path, bar, port: int = 30517, timeout
     return [row]
 
 
-# --- summary -------------------------------------------------------------------------------------------------------
-def _agreement(ref: list[list[int]], ours: list[list[int]], n: int = NEW_TOKENS) -> float:
-    total = sum(min(n, len(r)) for r in ref)
-    same = sum(a == b for r, o in zip(ref, ours) for a, b in zip(r[:n], o[:n]))
-    return same / total if total else float("nan")
-
-
-def _agreement_by_set(rows: list[dict]) -> dict[str, dict]:
-    """Per prompt set: agreement of each mpfa configuration with flashinfer, and the reference's own
-    reproducibility (flashinfer's radix-cache pass against its first pass: the noise floor).
-
-    Position-wise agreement (``greedy_agreement``, the issue's figure) counts every token after a first
-    divergence as a miss, though the two runs then continue different texts. With the scorer's
-    teacher-forced log-probabilities: ``teacher_forced_agreement`` = share of mpfa's tokens that are
-    flashinfer's argmax given the same prefix; ``tie_aware_agreement`` = share within
-    ``reference_max_logprob_gap``, the largest gap flashinfer's own greedy tokens (its decode path) show
-    under its own prefill path, i.e. the near-ties the reference itself resolves either way."""
-    out = {}
-    for pset in dict.fromkeys(r.get("prompt_set", "stdlib") for r in rows if r["part"] == "agreement"):
-        ok = {r["config"]: r for r in rows
-              if r["part"] == "agreement" and r.get("status") == "ok" and r.get("prompt_set", "stdlib") == pset}
-        ref = ok.get("flashinfer-bf16")
-        if not ref:
-            continue
-        ref_off = ok.get("flashinfer-bf16-graphs-off")
-        d = {"reference_self_agreement": _agreement(ref["output_ids"], ref["output_ids_cached_pass"]),
-             "reference_graph_on_off_agreement": _agreement(ref["output_ids"], ref_off["output_ids"]) if ref_off else None,
-             "greedy_agreement": {}, "greedy_agreement_graphs_off": {}, "cuda_graph_on_off_agreement": {},
-             "radix_cache_pass_agreement": {}}
-        for recipe in RECIPES:
-            on, off = ok.get(f"mpfa-{recipe}-graphs-on"), ok.get(f"mpfa-{recipe}-graphs-off")
-            if on:
-                d["greedy_agreement"][recipe] = _agreement(ref["output_ids"], on["output_ids"])
-                d["radix_cache_pass_agreement"][recipe] = _agreement(on["output_ids"], on["output_ids_cached_pass"])
-            if off:
-                d["greedy_agreement_graphs_off"][recipe] = _agreement(ref["output_ids"], off["output_ids"])
-            if on and off:
-                d["cuda_graph_on_off_agreement"][recipe] = _agreement(off["output_ids"], on["output_ids"])
-        scorer = ok.get(SCORER)
-        if scorer and "flashinfer-bf16" in scorer.get("logprob_gaps", {}):
-            gaps = scorer["logprob_gaps"]
-            noise = max((g for seq in gaps["flashinfer-bf16"] for g in seq[:NEW_TOKENS]), default=0.0)
-            d["reference_max_logprob_gap"] = noise
-            d["teacher_forced_agreement"], d["tie_aware_agreement"] = {}, {}
-            for recipe in RECIPES:
-                name = f"mpfa-{recipe}-graphs-on"
-                if name in gaps:
-                    flat = [g for seq in gaps[name] for g in seq[:NEW_TOKENS]]
-                    d["teacher_forced_agreement"][recipe] = sum(g == 0 for g in flat) / len(flat)
-                    d["tie_aware_agreement"][recipe] = sum(g <= noise for g in flat) / len(flat)
-        out[pset] = {k: v for k, v in d.items() if v != {} and v is not None}
-    return out
-
-
-def summarize(rows: list[dict]) -> dict:
-    """``greedy_agreement`` is the lowest over the prompt sets measured (each set's figures are kept)."""
-    out: dict = {}
-    by_set = _agreement_by_set(rows)
-    if by_set:
-        worst: dict = {}
-        for d in by_set.values():
-            for recipe, v in d.get("greedy_agreement", {}).items():
-                worst[recipe] = min(v, worst.get(recipe, v))
-        out["greedy_agreement"] = worst
-        out["agreement_by_prompt_set"] = by_set
-    pools = kv_pool_tokens(rows)
-    base = pools.get("flashinfer-bf16")
-    if base:
-        ratios = {config: tokens / base for config, tokens in pools.items()}
-        q4 = ratios.get("mpfa-qk4pv8")
-        if q4 is not None:
-            out["kv_capacity_ratio"] = q4
-        out["kv_capacity_ratio_vs_flashinfer_bf16"] = ratios
-    launch = [r for r in rows if r["part"] == "launch"]
-    if launch:
-        out["launch_command_serves_generate"] = all(r.get("status") == "ok" for r in launch)
-    out.update(_throughput_summary(rows))
-    return out
-
-
-def kv_pool_tokens(rows: list[dict], model: str = "llama-3.1-8b") -> dict[str, int]:
-    """max_total_num_tokens per configuration of ``model`` at TP 1 and the default memory fraction: from
-    the capacity rows, overridden by the throughput rows (measured later, same server arguments), so a
-    recipe whose format changed after the capacity run is counted as it serves now."""
-    pools = {}
-    for part in ("capacity", "throughput"):
-        for r in rows:
-            if (r["part"] == part and r.get("status") == "ok" and r.get("max_total_num_tokens")
-                    and r.get("model", "llama-3.1-8b") == model and r.get("tp", 1) == 1
-                    and r.get("mem_fraction_static", 0.85) == 0.85):
-                pools[r["config"].replace("fp8_e4m3", "fp8")] = r["max_total_num_tokens"]
-    return pools
-
-
-def _label(model: str, *parts) -> str:
-    """A summary key: ``<length>[/<config>]`` for Llama-3.1-8B (the issue's model), ``<model>/...`` otherwise."""
-    return "/".join(str(p) for p in (parts if model == "llama-3.1-8b" else (model, *parts)))
-
-
-def _throughput_summary(rows: list[dict]) -> dict:
-    """Output-throughput ratios of mpfa qk4pv8 over SGLang + FlashInfer (BF16 and FP8 KV) per model and
-    input length (TP 1), their geometric means for Llama-3.1-8B, TTFT at concurrency 1, soak and TP checks."""
-    tput = {}
-    for r in rows:
-        if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1 and r.get("output_throughput"):
-            tput[(r["model"], r["input_len"], r["config"])] = r
-    out: dict = {}
-    for peer, key in (("flashinfer-bf16", "output_throughput_ratio_vs_flashinfer_bf16"),
-                      ("flashinfer-fp8", "output_throughput_ratio_vs_flashinfer_fp8")):
-        ratios = {}
-        for (model, length, config), r in sorted(tput.items()):
-            other = tput.get((model, length, peer))
-            if config == "mpfa-qk4pv8" and other:
-                ratios[_label(model, length)] = r["output_throughput"] / other["output_throughput"]
-        if ratios:
-            out[key] = ratios
-            llama = [v for k, v in ratios.items() if "/" not in k]
-            if llama:
-                out[key + "_geomean"] = geomean(llama)
-    ttft = {}
-    for (model, length, config), r in sorted(tput.items()):
-        other = tput.get((model, length, "flashinfer-bf16"))
-        if config == "mpfa-qk4pv8" and other and r.get("ttft_concurrency1_s") and other.get("ttft_concurrency1_s"):
-            ttft[_label(model, length)] = (
-                r["ttft_concurrency1_s"] / other["ttft_concurrency1_s"])
-    if ttft:
-        out["ttft_concurrency1_ratio_vs_flashinfer_bf16"] = ttft
-    # Where a run's wall time goes: SGLang runs prefill chunks and decode batches in turn, and N requests'
-    # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes").
-    split = {}
-    for (model, length, config), r in sorted(tput.items()):
-        if r.get("ttft_concurrency1_s") and r.get("wall_s") and r.get("requests"):
-            prefill = r["requests"] * r["ttft_concurrency1_s"]
-            split[_label(model, length, config)] = {"prefill_s": prefill, "decode_s": r["wall_s"] - prefill,
-                            "prefill_share": prefill / r["wall_s"]}
-    if split:
-        out["wall_time_split_estimate"] = split
-    soak = [r for r in rows if r["part"] == "soak"]
-    if soak:
-        out["soak_ok"] = all(r.get("status") == "ok" for r in soak)
-    tp = [r for r in rows if r["part"] == "tp" and r.get("status") == "ok"]
-    if tp:
-        out["tp2_tp1_token_agreement"] = min(r["tp2_tp1_token_agreement"] for r in tp)
-        # The greedy tokens of a random-weight model sit on near-ties, so flashinfer's own TP=2 run agrees only
-        # partly with its TP=1 run; the continuous measure is the prompt log-probabilities' drift, set beside
-        # flashinfer's (mpfa serves TP=2 correctly when its drift is no larger).
-        drift = {}
-        for k in ("mpfa", "flashinfer"):
-            if all(f"{k}_tp2_vs_tp1_mean_logprob_diff" in r for r in tp):
-                drift[k] = max(r[f"{k}_tp2_vs_tp1_mean_logprob_diff"] for r in tp)
-        out["tp2_vs_tp1_mean_logprob_diff"] = drift
-        if all("flashinfer_tp2_vs_tp1_token_agreement" in r for r in tp):
-            out["tp2_tp1_token_agreement_flashinfer"] = min(r["flashinfer_tp2_vs_tp1_token_agreement"] for r in tp)
-    return out
-
-
 # --- main ----------------------------------------------------------------------------------------------------------
-def _merge_key(r: dict) -> tuple:
-    return r.get("part"), r.get("prompt_set"), r.get("group")
-
-
-def merge_rows(previous: list[dict], new: list[dict]) -> list[dict]:
-    """The file's rows after a run: what was measured again (same part and prompt set, or same group for
-    the throughput rows) replaces its earlier rows; the rest stay."""
-    fresh = {_merge_key(r) for r in new}
-    kept = [r for r in previous if _merge_key(r) not in fresh]
-    return sorted(kept + new, key=lambda r: ALL_PARTS.index(r["part"]))
-
-
-def read_result(out_dir: Path) -> dict:
-    """The results file in ``out_dir`` (meta and rows), or an empty one."""
-    path = Path(out_dir) / f"{RESULT}.json"
-    return results_io.read(path) if path.exists() else {"meta": {}, "summary": {}, "rows": []}
-
-
-def with_calls(meta: dict, previous_meta: dict) -> dict:
-    """``meta`` of this call plus ``calls``: every call whose rows the file keeps (command, commit, date),
-    the earlier ones from ``previous_meta``, so rows merged from several calls keep their provenance."""
-    calls = list(previous_meta.get("calls", []))
-    if not calls and previous_meta.get("command"):
-        calls = [{k: previous_meta.get(k) for k in ("command", "commit", "date", "parts")}]
-    this = {k: meta.get(k) for k in ("command", "commit", "date", "parts")}
-    return {**meta, "calls": calls + [this]}
-
-
-def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Output throughput per input length and configuration (the throughput rows, TP 1), one plot per model
-    in one figure's groups: ``<model> <length>``."""
-    ok = [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1]
-    if not ok:
-        return []
-    from benchmarks import plots
-    from benchmarks.e2e.throughput import CONFIGS   # here: that module imports this one
-    groups = sorted({(r["model"], r["input_len"]) for r in ok})
-    configs = [c for c in CONFIGS if any(r["config"] == c for r in ok)]
-    val = {(r["model"], r["input_len"], r["config"]): r["output_throughput"] for r in ok}
-
-    def label(m, n):   # the headline ratio under each group, where both were measured
-        b, q = val.get((m, n, "flashinfer-bf16")), val.get((m, n, "mpfa-qk4pv8"))
-        return f"{m} {n:,} in" + (f"\nqk4pv8 {q / b:.2f}x bf16" if b and q else "")
-    labels = [label(m, n) for m, n in groups]
-    series = {c: [val.get((m, n, c)) for m, n in groups] for c in configs}
-    return [plots.bar(labels, series, Path(out_dir) / f"{RESULT}.png", title="SGLang output throughput, H200, 1,024 output tokens",
-                      ylabel="output tokens / s")]
-
-
-def write_rows(previous_rows: list[dict], new_rows: list[dict], out_dir: Path, meta: dict) -> list[dict]:
-    """Merge ``new_rows`` (each stamped with this call's commit) into the rows the file had when the run
-    started, write it with the summary of the result, return the rows. Called after every configuration:
-    a killed run keeps what finished."""
-    for r in new_rows:
-        r.setdefault("commit", meta.get("commit"))
-    rows = merge_rows(previous_rows, new_rows)
-    results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
-    try:
-        plot(rows, out_dir)
-    except RuntimeError as e:   # no matplotlib: the JSON is the result, the plot a view of it
-        print(f"no plot: {e}", file=sys.stderr)
-    return rows
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.sglang_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
@@ -545,8 +319,8 @@ def main(argv=None) -> int:
         ap.error(f"--smollm2 {smollm2} has no model.safetensors: run python -m benchmarks.e2e.smollm2_hf first")
     from tqdm import tqdm
 
-    from mpfa_jit import server_config
-    mem_fraction = float(server_config.load(DEFAULT_CONFIG).sglang["mem-fraction-static"])
+    from mpfa.sglang.settings import load_server_config
+    mem_fraction = float(load_server_config(DEFAULT_CONFIG).sglang["mem-fraction-static"])
     out_dir = Path(args.out)
     graphs_off = not args.no_graphs_off
     recipes = [r for r in args.recipes.split(",") if r]

@@ -7,7 +7,7 @@ Writes ``model.safetensors`` (bf16, every weight dequantized from the GGUF), ``c
 not with ``transformers``' GGUF loader: depending on its version that loader keeps the weights packed
 and refuses ``save_pretrained``. llama.cpp stores Q and K rows permuted for its RoPE layout
 (pairs ``(i, i + d/2)`` interleaved); they are permuted back. The bf16 baseline is this model as
-dequantized, not the original checkpoint (DESIGN.md section 8).
+dequantized, not the original checkpoint (docs/accuracy.md).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ output tokens is ``--input-len 130048`` for Llama-3.1-8B (131,072 positions).
 Queues of configurations can share a host, one GPU each (``CUDA_VISIBLE_DEVICES``, ``--port``, see
 ``benchmarks/e2e/queue.sh``); ``python -m benchmarks.e2e.merge_results`` folds their files into one.
 Rows go to ``benchmarks/results/e2e_sglang_h200.json`` (part ``throughput`` / ``soak`` / ``tp``), replacing
-earlier rows of the same configuration and length; the summary is ``benchmarks.e2e.sglang_check``'s.
+earlier rows of the same configuration and length; the summary is ``benchmarks.e2e.results``'.
 """
 from __future__ import annotations
 
@@ -37,16 +37,17 @@ from pathlib import Path
 
 from benchmarks import meta as bench_meta
 from benchmarks import results_io
-from benchmarks.e2e import sglang_check
+from benchmarks.e2e import results as e2e_results
+from benchmarks.e2e.results import CONFIGS
 from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
 from mpfa.recipes import get_recipe
+from mpfa_jit.ops.decode import RECIPES
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
           "qwen3-14b": REPO / "server_configs/models/qwen3-14b"}
-CONFIGS = ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
 BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256,
-                             **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in ("bf16", "qk8pv8", "qk4pv8")}}
+                             **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in RECIPES}}
 PORT = 30611
 
 
@@ -108,11 +109,11 @@ def estimated_pool_tokens(rows: list[dict], model: str, configs) -> dict[str, in
     where missing, flashinfer-bf16's scaled by the bytes-per-token ratio. A model with no measured
     flashinfer-bf16 pool gets one from another model's: the same KV bytes, less the extra weight bytes
     (same GPU and memory fraction; an estimate for choosing the request count, never a reported figure)."""
-    measured = sglang_check.kv_pool_tokens(rows, model)
+    measured = e2e_results.kv_pool_tokens(rows, model)
     base = measured.get("flashinfer-bf16")
     if base is None:
         for other in (m for m in MODELS if m != model):
-            ref = sglang_check.kv_pool_tokens(rows, other).get("flashinfer-bf16")
+            ref = e2e_results.kv_pool_tokens(rows, other).get("flashinfer-bf16")
             if ref:
                 kv = ref * bf16_kv_bytes_per_token(other) - (weight_bytes(model) - weight_bytes(other))
                 base = int(kv // bf16_kv_bytes_per_token(model))
@@ -297,8 +298,8 @@ def run_tp_check(args, log_dir: Path) -> dict:
 
 
 def run_meta(command: str, parts, previous_meta: dict) -> dict:
-    """This run's meta with the calls whose rows the file already holds (sglang_check.with_calls)."""
-    return sglang_check.with_calls(bench_meta.collect(command, parts=list(parts)), previous_meta)
+    """This run's meta with the calls whose rows the file already holds (results.with_calls)."""
+    return e2e_results.with_calls(bench_meta.collect(command, parts=list(parts)), previous_meta)
 
 
 def main(argv=None) -> int:
@@ -331,10 +332,10 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     log_dir = out_dir / "logs" / "e2e"
     command = ("python -m benchmarks.e2e.throughput " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    previous = sglang_check.read_result(out_dir)   # read once: this run's rows replace their earlier versions
+    previous = e2e_results.read_result(out_dir)   # read once: this run's rows replace their earlier versions
     if args.soak or args.tp_check:
         row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
-        sglang_check.write_rows(previous["rows"], [row], out_dir, run_meta(command, [row["part"]], previous["meta"]))
+        e2e_results.write_rows(previous["rows"], [row], out_dir, run_meta(command, [row["part"]], previous["meta"]))
         if args.soak:   # the issue asks for the soak's summary log beside the results
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / f"soak-{args.model}-summary.txt").write_text(
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
     with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
         for config in configs:
             rows.append(run_config(config, args, inputs, probe_input, context, log_dir, bar))
-            sglang_check.write_rows(previous["rows"], rows, out_dir, meta)
+            e2e_results.write_rows(previous["rows"], rows, out_dir, meta)
     for r in rows:
         print(f"{r['config']}: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT(c=1) "
                                     f"{r.get('ttft_concurrency1_s')}" if r["status"] == "ok" else r.get("error", "")))

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.suites import _rows
 from mpfa.recipes import get_recipe
+from mpfa_jit.ops.append_kv import RECIPES
 
 NAME = "append"
 RESULT = "append_h200"
@@ -31,7 +33,6 @@ RESULT = "append_h200"
 TOKENS = 32768
 KV_HEADS = 8
 HEAD_DIM = 128
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 PAGE_SIZES = (16, 1)
 
 # Bytes written per token per KV head (K and V together) at D=128; used only to size the
@@ -240,59 +241,36 @@ def _measure(case: dict, ctx):
 
 def run_case(case: dict, ctx) -> dict:
     """Build inputs and the target cache for one case, time it, return the row."""
-    import torch
-
-    try:
-        timing, target = _measure(case, ctx)
-    finally:
-        torch.cuda.empty_cache()
+    timing, target = _rows.run_on_gpu(_measure, case, ctx)   # _inputs seeds its own generator
     n, h = case["tokens"], case["kv_heads"]
     out_bpth = target["out_bpth"]
-    return {
-        **case,
-        **target["extra"],
-        "status": "ok",
-        "bytes_in": n * h * IN_BYTES_PER_TOKEN_HEAD,
-        "bytes_out": n * h * out_bpth,
-        "bytes": n * h * (IN_BYTES_PER_TOKEN_HEAD + out_bpth),
-        "out_bytes_per_token_head": out_bpth,
-        **timing.as_row(),
-    }
+    return _rows.measured_row(case, timing, extra=target["extra"],
+                              bytes_in=n * h * IN_BYTES_PER_TOKEN_HEAD,
+                              bytes_out=n * h * out_bpth,
+                              bytes=n * h * (IN_BYTES_PER_TOKEN_HEAD + out_bpth),
+                              out_bytes_per_token_head=out_bpth)
 
 
-def _gbps(row: dict) -> float:
-    """Achieved bandwidth from a row's counted bytes and median time (GB/s, 1e9 B)."""
-    return row["bytes"] / (row["ms"] * 1e-3) / 1e9
+_gbps = _rows.rate   # achieved bandwidth from a row's counted bytes and median time (GB/s, 1e9 B)
+_ok_kernels = _rows.ok_kernels
 
 
 def _copy_gbps(rows: list[dict]) -> float | None:
-    for r in rows:
-        if r.get("kind") == "ceiling" and r.get("name") == "copy" and r.get("status", "ok") == "ok":
-            return _gbps(r)
-    return None
-
-
-def _ok_kernels(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+    return _rows.ceiling_rate(rows, "copy")
 
 
 def annotate(rows: list[dict]) -> list[dict]:
     """Fill `gbps` and `copy_fraction` of kernel rows from bytes, ms and the copy ceiling."""
     copy = _copy_gbps(rows)
-    out = []
-    for r in rows:
-        r = dict(r)
-        if r.get("kind") == "kernel" and r.get("status") == "ok":
-            r["gbps"] = _gbps(r)
-            r["copy_fraction"] = r["gbps"] / copy if copy else None
-        out.append(r)
-    return out
+
+    def derive(r):
+        gbps = _gbps(r)
+        return {"gbps": gbps, "copy_fraction": gbps / copy if copy else None}
+    return _rows.annotate(rows, derive)
 
 
 def summarize(rows: list[dict]) -> dict:
     """Summary computed from rows only: copy-ceiling fractions of mpfa at the 32K chunk."""
-    from benchmarks.stats import max_spread
-
     copy = _copy_gbps(rows)
     ok = _ok_kernels(rows)
     mine = [r for r in ok if r["impl"] == "mpfa" and r["tokens"] == TOKENS]
@@ -308,9 +286,7 @@ def summarize(rows: list[dict]) -> dict:
         "min_copy_fraction": min(by_recipe.values()) if by_recipe else None,
         "copy_fraction_by_recipe": by_recipe,
         "peer_copy_fraction": peers,
-        "max_spread": max_spread(rows),
-        "errors": sum(1 for r in rows if r.get("status") == "error"),
-        "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
+        **_rows.run_counts(rows),
     }
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.suites import _rows
 from mpfa.recipes import get_recipe
+from mpfa_jit.ops.decode import RECIPES
 
 NAME = "decode"
 RESULT = "decode_h200"
@@ -18,7 +20,6 @@ QO_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SERVER_CONTEXT = 131072   # the SGLang backend's graph grid covers this context (server_decode_splits)
 SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (batch, context)
 PAGE_SIZES = (16, 1)
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 # FlashInfer NVFP4 KV: 64 B K + 64 B V values and 8 + 8 B of E4M3 block scales.
 BYTES_PER_TOKEN_HEAD = {**{r: get_recipe(r).bytes_per_token_head(HEAD_DIM) for r in RECIPES},
                         "fi-bf16": 512, "fi-fp8": 256, "fi-nvfp4": 144}
@@ -200,46 +201,31 @@ def _flashinfer(case, ctx, gen):
 
 
 def run_case(case: dict, ctx) -> dict:
-    import torch
-    gen = torch.Generator(device="cuda").manual_seed(ctx.seed + hash(case["id"]) % 1000)
-    try:
-        timing, extra = (_mpfa if case["impl"].startswith("mpfa") else _flashinfer)(case, ctx, gen)
-    finally:
-        torch.cuda.empty_cache()
-    return {**case, **extra, "status": "ok",
-            "bytes": read_bytes(case["batch"], case["context"], extra["bytes_per_token_head"]),
-            "flops": 4 * case["batch"] * case["context"] * QO_HEADS * HEAD_DIM, **timing.as_row()}
+    impl = _mpfa if case["impl"].startswith("mpfa") else _flashinfer
+    timing, extra = _rows.run_on_gpu(impl, case, ctx, seed=ctx.seed + hash(case["id"]) % 1000)
+    return _rows.measured_row(case, timing, extra=extra,
+                              bytes=read_bytes(case["batch"], case["context"], extra["bytes_per_token_head"]),
+                              flops=4 * case["batch"] * case["context"] * QO_HEADS * HEAD_DIM)
 
 
-def _gbps(row):
-    return row["bytes"] / (row["ms"] * 1e-3) / 1e9
+_gbps = _rows.rate
+_ok = _rows.ok_kernels
 
 
 def _hbm_gbps(rows):
-    for r in rows:
-        if r.get("kind") == "ceiling" and r.get("name") == "hbm_read" and r.get("status", "ok") == "ok":
-            return _gbps(r)
-    return None
-
-
-def _ok(rows):
-    return [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+    return _rows.ceiling_rate(rows, "hbm_read")
 
 
 def annotate(rows: list[dict]) -> list[dict]:
     hbm = _hbm_gbps(rows)
-    out = []
-    for r in rows:
-        r = dict(r)
-        if r.get("kind") == "kernel" and r.get("status") == "ok":
-            r["gbps"] = _gbps(r)
-            r["hbm_fraction"] = r["gbps"] / hbm if hbm else None
-        out.append(r)
-    return out
+
+    def derive(r):
+        gbps = _gbps(r)
+        return {"gbps": gbps, "hbm_fraction": gbps / hbm if hbm else None}
+    return _rows.annotate(rows, derive)
 
 
 def summarize(rows: list[dict]) -> dict:
-    from benchmarks.stats import max_spread
     hbm = _hbm_gbps(rows)
     ok = _ok(rows)
 
@@ -280,9 +266,7 @@ def summarize(rows: list[dict]) -> dict:
         "graph_fixed_split_time_ratio": graph,
         # every mpfa row against fp64 attention over its dequantized cache (bound 5e-3)
         "max_rel_l2_vs_fp64": errs,
-        "max_spread": max_spread(rows),
-        "errors": sum(1 for r in rows if r.get("status") == "error"),
-        "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
+        **_rows.run_counts(rows),
     }
 
 

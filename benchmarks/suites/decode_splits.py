@@ -12,6 +12,7 @@ L2: benchmarks/NOTES.md, "decode split count"). Page size 16, head_dim 128, 32 q
 """
 from __future__ import annotations
 
+from benchmarks.suites import _rows
 from benchmarks.suites import decode as _decode
 
 NAME = "decode_splits"
@@ -89,10 +90,10 @@ def run_case(case: dict, ctx) -> dict:
     out = torch.empty_like(q)
     layer = cache.layer(0)
     timing = ctx.bench(lambda: w.run(q, layer, out=out))
-    return {**case, "status": "ok", "num_splits": w.num_splits, "bytes_per_token_head": cache.bytes_per_token_head,
-            "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
-            "resident_ctas": resident_ctas(r, _decode.HEAD_DIM, PAGE, _decode.QO_HEADS // _decode.KV_HEADS, 0),
-            "bytes": _decode.read_bytes(b, c, cache.bytes_per_token_head), **timing.as_row()}
+    return _rows.measured_row(case, timing, num_splits=w.num_splits, bytes_per_token_head=cache.bytes_per_token_head,
+                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                              resident_ctas=resident_ctas(r, _decode.HEAD_DIM, PAGE, _decode.QO_HEADS // _decode.KV_HEADS, 0),
+                              bytes=_decode.read_bytes(b, c, cache.bytes_per_token_head))
 
 
 annotate = _decode.annotate
@@ -101,7 +102,7 @@ annotate = _decode.annotate
 def _by_shape(rows: list[dict]) -> dict[tuple, tuple[list[dict], dict | None]]:
     """(recipe, batch, context) -> (its measured rows, its fastest forced-count row or None)."""
     per: dict = {}
-    for r in _decode._ok(rows):
+    for r in _rows.ok_kernels(rows):
         per.setdefault((r["recipe"], r["batch"], r["context"]), []).append(r)
     return {k: (group, min((r for r in group if r["plan"] == "forced"), key=lambda r: r["ms"], default=None))
             for k, group in sorted(per.items())}
@@ -131,7 +132,7 @@ def summarize(rows: list[dict]) -> dict:
     forced count's time (1.0: the rule found the best count); and the rules of this checkout replayed on the
     run (``rule_*``: the time measured at the count they give now, None where no row timed that count), so
     a rule change is judged on the sweep that motivated it before a GPU run measures it directly."""
-    from benchmarks.stats import geomean, max_spread
+    from benchmarks.stats import geomean
     shapes = {}
     for (recipe, b, c), (group, best) in _by_shape(rows).items():
         if best is None:
@@ -153,5 +154,4 @@ def summarize(rows: list[dict]) -> dict:
         out[f"{key}_over_best_worst"] = max((x for x in ratios if x), default=None)
         out[f"{key}_over_best_geomean"] = geomean(ratios)
     out["rule_counts_untimed"] = sum(e[f"rule_{p}_over_best"] is None for e in shapes.values() for p in ("adaptive", "server"))
-    return {**out, "max_spread": max_spread(rows), "errors": sum(1 for r in rows if r.get("status") == "error"),
-            "skipped": sum(1 for r in rows if r.get("status") == "skipped")}
+    return {**out, **_rows.run_counts(rows)}

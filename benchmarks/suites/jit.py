@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     t1 = time.monotonic()
     spec = append_kv.spec(recipe=sys.argv[1], head_dim=int(sys.argv[2]), page_size=int(sys.argv[3]), arch="sm_90a")
     m = mpfa_jit.get_kernel(spec)
-    m.fn(append_kv.SYMBOL, append_kv.ARGTYPES)
+    m.params_fn(append_kv.SYMBOL, append_kv.PARAMS_LAYOUT_SYMBOL, append_kv.AppendParams)
     t2 = time.monotonic()
     print(f"RESULT import_ms={(t1 - t0) * 1e3:.2f} load_ms={(t2 - t1) * 1e3:.2f}")
 """)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from benchmarks.suites import _rows
 from mpfa.recipes import get_recipe
+from mpfa_jit.ops.prefill import RECIPES
 
 NAME = "prefill"
 RESULT = "prefill_h200"
@@ -25,7 +27,6 @@ SHAPES = (
     ("8x16K", [(16384, 0)] * 8),
     ("extend 8K over 56K", [(8192, 57344)]),
 )
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 PEERS = ("fa3-fp8", "fa3-bf16", "cudnn-bf16")
 
 TABLE = [
@@ -141,7 +142,7 @@ def _cudnn(case, ctx, gen):
     from benchmarks.suites import Skip
     if any(p for _, p in case["requests"]):
         # SDPA's is_causal aligns top-left; an explicit bottom-right mask leaves cuDNN's fast path.
-        raise Skip("chunked extend: SDPA's causal mask is top-left aligned (DESIGN.md section 7)")
+        raise Skip("chunked extend: SDPA's causal mask is top-left aligned")
     qs, ks, vs = _inputs(case["requests"], gen)
     qs = [q.transpose(0, 1).unsqueeze(0) for q in qs]
     ks = [k.transpose(0, 1).unsqueeze(0) for k in ks]
@@ -155,16 +156,10 @@ def _cudnn(case, ctx, gen):
 
 
 def run_case(case: dict, ctx) -> dict:
-    import torch
-    gen = torch.Generator(device="cuda").manual_seed(ctx.seed + 17)
     impl = {"mpfa": _mpfa, "flashinfer": _flashinfer, "cudnn": _cudnn}[case["impl"]]
-    try:
-        timing = impl(case, ctx, gen)
-    finally:
-        torch.cuda.empty_cache()
-    row = {k: v for k, v in case.items() if k != "requests"}
-    return {**row, "requests": [list(r) for r in case["requests"]], "status": "ok", "bytes": _bytes(case),
-            **timing.as_row()}
+    timing = _rows.run_on_gpu(impl, case, ctx, seed=ctx.seed + 17)
+    row = {k: v for k, v in case.items() if k != "requests"}   # requests last, as lists (JSON)
+    return _rows.measured_row({**row, "requests": [list(r) for r in case["requests"]]}, timing, bytes=_bytes(case))
 
 
 # K/V bytes per token and KV head as each implementation reads them (mpfa: its cache format).
@@ -181,30 +176,23 @@ def _bytes(case) -> int:
 
 
 def _tflops(row):
-    return row["flops"] / (row["ms"] * 1e-3) / 1e12
+    return _rows.rate(row, "flops", 1e12)
 
 
 def _fp8_tflops(rows):
-    for r in rows:
-        if r.get("kind") == "ceiling" and r.get("name") == "fp8_mma" and r.get("status", "ok") == "ok":
-            return r["flops"] / (r["ms"] * 1e-3) / 1e12
-    return None
+    return _rows.ceiling_rate(rows, "fp8_mma", "flops", 1e12)
 
 
-def _ok(rows):
-    return [r for r in rows if r.get("kind") == "kernel" and r.get("status") == "ok"]
+_ok = _rows.ok_kernels
 
 
 def annotate(rows: list[dict]) -> list[dict]:
     ceiling = _fp8_tflops(rows)
-    out = []
-    for r in rows:
-        r = dict(r)
-        if r.get("kind") == "kernel" and r.get("status") == "ok":
-            r["tflops"] = _tflops(r)
-            r["fp8_fraction"] = r["tflops"] / ceiling if ceiling else None
-        out.append(r)
-    return out
+
+    def derive(r):
+        tflops = _tflops(r)
+        return {"tflops": tflops, "fp8_fraction": tflops / ceiling if ceiling else None}
+    return _rows.annotate(rows, derive)
 
 
 def _compensation_error_removed() -> dict:
@@ -225,7 +213,7 @@ def _compensation_error_removed() -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    from benchmarks.stats import geomean, max_spread
+    from benchmarks.stats import geomean
     ok = _ok(rows)
 
     def ms(impl, recipe, shape, comp=None):
@@ -253,9 +241,7 @@ def summarize(rows: list[dict]) -> dict:
         "bf16_speedup_vs_flashinfer_fa3_bf16": geomean(speedups("bf16", "flashinfer", "fa3-bf16")),
         "compensation_overhead": overhead - 1 if overhead else None,
         **_compensation_error_removed(),
-        "max_spread": max_spread(rows),
-        "errors": sum(1 for r in rows if r.get("status") == "error"),
-        "skipped": sum(1 for r in rows if r.get("status") == "skipped"),
+        **_rows.run_counts(rows),
     }
 
 

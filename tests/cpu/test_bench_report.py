@@ -5,20 +5,16 @@ timing/rotation/repeat arithmetic; the append suite's slot pattern. No GPU, no m
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if importlib.util.find_spec("benchmarks") is None:  # `pytest` run without the repo on sys.path
-    sys.path.append(str(REPO))
+from benchmarks import report, results_io, stats, suites
+from benchmarks.suites import append
+from benchmarks.timing import Timing, rotation_count
 
-from benchmarks import report, results_io, stats, suites  # noqa: E402
-from benchmarks.suites import append  # noqa: E402
-from benchmarks.timing import Timing, rotation_count  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 N = append.TOKENS
 TOKEN_HEADS = N * append.KV_HEADS
@@ -238,9 +234,9 @@ def test_sglang_check_results_get_their_table_and_summary_check(tmp_path):
              "startup_s": 60.0, "model": "llama-3.1-8b"},
             {"part": "capacity", "config": "mpfa-qk4pv8", "status": "ok", "max_total_num_tokens": 2510,
              "startup_s": 61.0, "model": "llama-3.1-8b"}]
-    from benchmarks.e2e import sglang_check
+    from benchmarks.e2e import results as e2e_results
     results_io.write("e2e_sglang_h200", {"command": "python -m benchmarks.e2e.sglang_check"},
-                     sglang_check.summarize(rows), rows, tmp_path)
+                     e2e_results.summarize(rows), rows, tmp_path)
     section = report.render_section(tmp_path, tmp_path)
     table = parse_table(section, "part")
     assert table[1]["configuration"] == "mpfa-qk4pv8" and table[1]["max_total_num_tokens"] == "2,510"
@@ -451,3 +447,68 @@ def test_prefill_flops_count_unmasked_pairs_bottom_right():
     assert prefill.pairs([(2, 3)]) == 2 * 3 + 3              # rows see 4 and 5 keys
     case = {c["id"]: c for c in prefill.cases(False)}["mpfa/qk4pv8/extend 8K over 56K/comp1"]
     assert case["flops"] == 4 * 128 * 32 * (8192 * 57344 + 8192 * 8193 // 2)
+
+
+# ---------------------------------------------------------------- the suites' shared rows
+
+def test_a_measured_row_keeps_the_suites_field_order():
+    from benchmarks.suites import _rows
+    t = Timing(samples_ms=(2.0, 1.0, 3.0), warmup_calls=1, rotate_sets=2)
+    case = {"id": "mpfa/x", "kind": "kernel", "impl": "mpfa"}
+    row = _rows.measured_row(case, t, extra={"num_splits": 4}, bytes=8_000_000, flops=10)
+    assert list(row) == ["id", "kind", "impl", "num_splits", "status", "bytes", "flops",
+                         "ms", "ms_min", "ms_p20", "ms_p80", "n", "sets"]
+    assert row["ms"] == 2.0 and row["status"] == "ok" and _rows.rate(row) == 4.0   # 8 MB in 2 ms: 4 GB/s
+
+
+def test_shared_annotate_and_ceiling_touch_only_what_was_measured():
+    from benchmarks.suites import _rows
+    rows = [_ceiling("copy", 1.0, bytes_=10**9),
+            {**_ceiling("hbm_read", 1.0, bytes_=10**9), "status": "error"},
+            {"kind": "kernel", "id": "a", "status": "ok", "bytes": 5 * 10**8, "ms": 1.0},
+            {"kind": "kernel", "id": "b", "status": "skipped", "reason": "no peer"},
+            {"kind": "kernel", "id": "c", "status": "error", "spread": 0.5}]
+    assert _rows.ceiling_rate(rows, "copy") == 1000.0 and _rows.ceiling_rate(rows, "hbm_read") is None
+    out = _rows.annotate(rows, lambda r: {"derived": _rows.rate(r)})
+    assert [r.get("derived") for r in out] == [None, None, 500.0, None, None] and "derived" not in rows[2]
+    assert _rows.ok_kernels(out) == [out[2]]
+    assert _rows.run_counts(rows) == {"max_spread": 0.5, "errors": 2, "skipped": 1}
+
+
+# ---------------------------------------------------------------- structure
+
+def _imports(path: Path, package: str) -> set[str]:
+    """The modules of ``package`` that the file at ``path`` imports anywhere (a function-level import too)."""
+    import ast
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m == package or m.startswith(package + ".")} - {module}
+
+
+def test_benchmarks_have_no_import_circle():
+    files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (REPO / "benchmarks").rglob("*.py")}
+    graph = {m: _imports(p, "benchmarks") & files.keys() for m, p in files.items()}
+    circles = []
+    for start in graph:   # a path from a module's imports back to the module is a circle
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == start:
+                circles.append(start)
+                break
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+    assert circles == [], f"modules on an import circle: {circles}"
+

@@ -3,34 +3,33 @@ merging (pure functions over rows: no SGLang, no GPU), and the SmolLM2 GGUF -> H
 model and ``gguf`` are installed)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if importlib.util.find_spec("benchmarks") is None:  # `pytest` run without the repo on sys.path
-    sys.path.append(str(REPO))
+from benchmarks.e2e import results
+from benchmarks.e2e import sglang_check as sc
+from benchmarks.e2e import smollm2_hf
+from benchmarks.e2e import throughput as tp
+from benchmarks.e2e.server import StreamResult, _tokens_so_far
 
-from benchmarks.e2e import sglang_check as sc  # noqa: E402
-from benchmarks.e2e import smollm2_hf  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_prompt_lengths_span_one_to_many_pages():
     lengths = sc.prompt_lengths()
     assert len(lengths) == sc.NUM_PROMPTS == 20
-    assert lengths == sorted(lengths) and lengths[0] == 16 and 6000 <= lengths[-1] < 8192 - sc.NEW_TOKENS
+    assert lengths == sorted(lengths) and lengths[0] == 16 and 6000 <= lengths[-1] < 8192 - results.NEW_TOKENS
     assert sum(n % sc.PAGE_SIZE != 0 for n in lengths) >= 15   # most end inside a page
 
 
 def test_agreement_is_positionwise_over_the_first_tokens():
     ref = [[1, 2, 3, 4], [5, 6]]
-    assert sc._agreement(ref, ref) == 1.0
-    assert sc._agreement(ref, [[1, 9, 3, 4], [5, 6]]) == 5 / 6
-    assert sc._agreement(ref, [[1, 2, 3, 4, 7], [0, 6]], n=2) == 3 / 4
+    assert results._agreement(ref, ref) == 1.0
+    assert results._agreement(ref, [[1, 9, 3, 4], [5, 6]]) == 5 / 6
+    assert results._agreement(ref, [[1, 2, 3, 4, 7], [0, 6]], n=2) == 3 / 4
 
 
 def test_logprob_gaps():
@@ -51,7 +50,7 @@ def _agreement_rows(pset="stdlib"):
              "output_ids": [[1, 2, 9, 9], [5, 6, 7, 8]], "output_ids_cached_pass": [[1, 2, 9, 9], [5, 6, 7, 8]]},
             {"part": "agreement", "prompt_set": pset, "config": "mpfa-qk4pv8-graphs-off", "status": "ok",
              "output_ids": [[1, 2, 9, 9], [5, 6, 7, 0]], "output_ids_cached_pass": [[1, 2, 9, 9], [5, 6, 7, 0]]},
-            {"part": "agreement", "prompt_set": pset, "config": sc.SCORER, "status": "ok",
+            {"part": "agreement", "prompt_set": pset, "config": results.SCORER, "status": "ok",
              "logprob_gaps": {"flashinfer-bf16": [[0, 0, 0.02, 0], [0, 0, 0, 0]],
                               "mpfa-bf16-graphs-on": [[0, 0, 0.01, 0], [0, 0, 0, 0]],
                               "mpfa-qk4pv8-graphs-on": [[0, 0, 0.5, 0.01], [0, 0, 0, 0]]}}]
@@ -59,7 +58,7 @@ def _agreement_rows(pset="stdlib"):
 
 
 def test_summary_of_agreement_rows():
-    s = sc.summarize(_agreement_rows())
+    s = results.summarize(_agreement_rows())
     d = s["agreement_by_prompt_set"]["stdlib"]
     assert s["greedy_agreement"] == {"bf16": 1.0, "qk4pv8": 0.75}
     assert d["reference_self_agreement"] == 0.75
@@ -74,11 +73,11 @@ def test_summary_takes_the_worst_prompt_set_and_survives_partial_runs():
     rows = _agreement_rows("stdlib") + _agreement_rows("kjv")
     kjv_q4 = next(r for r in rows if r["prompt_set"] == "kjv" and r["config"] == "mpfa-qk4pv8-graphs-on")
     kjv_q4["output_ids"] = [[0, 0, 0, 0], [5, 6, 7, 8]]     # worse on kjv than on stdlib
-    s = sc.summarize(rows)
+    s = results.summarize(rows)
     assert s["greedy_agreement"]["qk4pv8"] == 0.5 and set(s["agreement_by_prompt_set"]) == {"stdlib", "kjv"}
-    only_ref = sc.summarize(_agreement_rows()[:1])   # a run killed after the reference
+    only_ref = results.summarize(_agreement_rows()[:1])   # a run killed after the reference
     assert only_ref["greedy_agreement"] == {} and "reference_self_agreement" in only_ref["agreement_by_prompt_set"]["stdlib"]
-    assert sc.summarize([]) == {}
+    assert results.summarize([]) == {}
 
 
 def test_summary_of_capacity_and_launch():
@@ -86,11 +85,11 @@ def test_summary_of_capacity_and_launch():
             {"part": "capacity", "config": "mpfa-qk4pv8", "status": "ok", "max_total_num_tokens": 2510},
             {"part": "capacity", "config": "mpfa-qk8pv8", "status": "error", "error": "boom"},
             {"part": "launch", "config": "llama-3.1-8b-qk4pv8", "status": "ok"}]
-    s = sc.summarize(rows)
+    s = results.summarize(rows)
     assert s["kv_capacity_ratio"] == 2.51 and "mpfa-qk8pv8" not in s["kv_capacity_ratio_vs_flashinfer_bf16"]
     assert s["launch_command_serves_generate"] is True
     rows[-1]["status"] = "error"
-    assert sc.summarize(rows)["launch_command_serves_generate"] is False
+    assert results.summarize(rows)["launch_command_serves_generate"] is False
 
 
 def test_capacity_of_a_recipe_comes_from_its_newest_rows():
@@ -105,7 +104,7 @@ def test_capacity_of_a_recipe_comes_from_its_newest_rows():
              "max_total_num_tokens": 999},
             {"part": "throughput", "model": "llama-3.1-8b", "tp": 1, "config": "mpfa-bf16", "status": "ok",
              "mem_fraction_static": 0.5, "max_total_num_tokens": 400}]
-    s = sc.summarize(rows)
+    s = results.summarize(rows)
     assert s["kv_capacity_ratio"] == 2.207
     assert s["kv_capacity_ratio_vs_flashinfer_bf16"] == {"flashinfer-bf16": 1.0, "flashinfer-fp8": 2.0,
                                                          "mpfa-qk4pv8": 2.207}
@@ -116,7 +115,7 @@ def test_merge_rows_replaces_what_was_measured_again():
            {"part": "agreement", "prompt_set": "kjv", "config": "a"},
            {"part": "capacity", "config": "x"}, {"part": "launch", "config": "l"}]
     new = [{"part": "agreement", "prompt_set": "kjv", "config": "b"}, {"part": "capacity", "config": "y"}]
-    merged = sc.merge_rows(old, new)
+    merged = results.merge_rows(old, new)
     assert [(r["part"], r.get("prompt_set"), r["config"]) for r in merged] == [
         ("agreement", "stdlib", "a"), ("agreement", "kjv", "b"), ("capacity", None, "y"), ("launch", None, "l")]
 
@@ -130,13 +129,13 @@ def test_engine_args_keep_mpfa_prefill_graphs_off():
 
 
 def test_committed_result_summary_matches_its_rows():
-    path = REPO / "benchmarks" / "results" / f"{sc.RESULT}.json"
+    path = REPO / "benchmarks" / "results" / f"{results.RESULT}.json"
     if not path.exists():
         pytest.skip("no committed e2e_sglang_h200.json yet")
     result = json.loads(path.read_text())
     from benchmarks.report import _same
     from benchmarks.results_io import normalize
-    assert _same(normalize(sc.summarize(result["rows"])), normalize(result["summary"]))
+    assert _same(normalize(results.summarize(result["rows"])), normalize(result["summary"]))
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -164,8 +163,6 @@ def test_conversion_matches_the_committed_config(tmp_path):
 
 
 # --- benchmarks.e2e.throughput / server: the pure parts (the servers run on the H200) -----------------------------
-from benchmarks.e2e import throughput as tp  # noqa: E402
-from benchmarks.e2e.server import StreamResult, _tokens_so_far  # noqa: E402
 
 
 def test_server_argv_per_configuration():
@@ -234,7 +231,7 @@ def test_throughput_summary():
             row("flashinfer-bf16", 65536, 10.0, model="qwen3-14b"), row("mpfa-qk4pv8", 65536, 30.0, model="qwen3-14b"),
             {"part": "soak", "status": "ok", "group": "soak/x"},
             {"part": "tp", "status": "ok", "tp2_tp1_token_agreement": 1.0, "group": "tp/x"}]
-    s = sc.summarize(rows)
+    s = results.summarize(rows)
     assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.5, "65536": 3.2, "qwen3-14b/65536": 3.0}
     assert s["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx((2.5 * 3.2) ** 0.5)
     assert s["output_throughput_ratio_vs_flashinfer_fp8"] == {"32768": 1.25}
@@ -242,10 +239,10 @@ def test_throughput_summary():
     assert s["soak_ok"] is True and s["tp2_tp1_token_agreement"] == 1.0
     assert "wall_time_split_estimate" not in s   # no wall time and request count in these rows
     timed = [dict(r, wall_s=40.0, requests=10) for r in rows[:2]]
-    split = sc.summarize(timed)["wall_time_split_estimate"]
+    split = results.summarize(timed)["wall_time_split_estimate"]
     assert split["32768/mpfa-qk4pv8"] == {"prefill_s": 9.0, "decode_s": 31.0, "prefill_share": 9.0 / 40.0}
-    merged = sc.merge_rows(rows, [row("mpfa-qk4pv8", 32768, 300.0)])
-    assert len(merged) == len(rows) and sc.summarize(merged)["output_throughput_ratio_vs_flashinfer_bf16"]["32768"] == 3.0
+    merged = results.merge_rows(rows, [row("mpfa-qk4pv8", 32768, 300.0)])
+    assert len(merged) == len(rows) and results.summarize(merged)["output_throughput_ratio_vs_flashinfer_bf16"]["32768"] == 3.0
 
 
 @pytest.mark.parametrize("leading_none", [True, False])
@@ -265,11 +262,11 @@ def test_scored_positions_align_to_the_output_tokens(leading_none):
 
 
 def test_with_calls_keeps_every_calls_provenance():
-    first = sc.with_calls({"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}, {})
+    first = results.with_calls({"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}, {})
     assert first["calls"] == [{"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}]
-    second = sc.with_calls({"command": "b", "commit": "c2", "date": "d2", "parts": ["agreement"]}, first)
+    second = results.with_calls({"command": "b", "commit": "c2", "date": "d2", "parts": ["agreement"]}, first)
     assert [c["commit"] for c in second["calls"]] == ["c1", "c2"] and second["command"] == "b"
-    legacy = sc.with_calls({"command": "b", "commit": "c2"}, {"command": "a", "commit": "c0"})
+    legacy = results.with_calls({"command": "b", "commit": "c2"}, {"command": "a", "commit": "c0"})
     assert [c["commit"] for c in legacy["calls"]] == ["c0", "c2"]
 
 
@@ -280,9 +277,9 @@ def test_throughput_plot_has_one_bar_per_measured_configuration(tmp_path):
                                                     (65536, "mpfa-qk4pv8", 300.0))]
     rows.append({"part": "throughput", "model": "llama-3.1-8b", "input_len": 32768, "config": "flashinfer-fp8",
                  "tp": 1, "status": "error"})
-    (path,) = sc.plot(rows, tmp_path)
+    (path,) = results.plot(rows, tmp_path)
     assert path.name == "e2e_sglang_h200.png" and path.stat().st_size > 1000
-    assert sc.plot([r for r in rows if r["config"] == "flashinfer-fp8"], tmp_path / "none") == []
+    assert results.plot([r for r in rows if r["config"] == "flashinfer-fp8"], tmp_path / "none") == []
 
 
 def test_merge_results_takes_each_queues_new_rows_and_calls(tmp_path):
@@ -291,17 +288,17 @@ def test_merge_results_takes_each_queues_new_rows_and_calls(tmp_path):
     old = {"part": "throughput", "group": "llama/in32768/bf16", "config": "flashinfer-bf16", "status": "ok", "v": 1,
            "model": "llama-3.1-8b", "input_len": 32768, "output_throughput": 100.0, "commit": "a"}
     base_meta = {"gpu": "H200", "calls": [{"command": "first", "commit": "a"}]}
-    results_io.write(sc.RESULT, base_meta, sc.summarize([old]), [old], tmp_path)
+    results_io.write(results.RESULT, base_meta, results.summarize([old]), [old], tmp_path)
     queues = []
     for i, (group, v) in enumerate((("llama/in65536/bf16", 2), ("llama/in65536/qk4", 3))):
         row = {**old, "group": group, "config": ("flashinfer-bf16", "mpfa-qk4pv8")[i], "input_len": 65536, "v": v,
                "commit": "b"}
         meta = {"gpu": f"H200 #{i}", "calls": base_meta["calls"] + [{"command": f"queue {i}", "commit": "b"}]}
         q = tmp_path / f"q{i}"
-        results_io.write(sc.RESULT, meta, sc.summarize([old, row]), [old, row], q)
-        queues.append(str(q / f"{sc.RESULT}.json"))
+        results_io.write(results.RESULT, meta, results.summarize([old, row]), [old, row], q)
+        queues.append(str(q / f"{results.RESULT}.json"))
     assert mr.main(queues + ["--out", str(tmp_path)]) == 0
-    merged = results_io.read(tmp_path / f"{sc.RESULT}.json")
+    merged = results_io.read(tmp_path / f"{results.RESULT}.json")
     assert sorted(r["v"] for r in merged["rows"]) == [1, 2, 3]
     assert [c["command"] for c in merged["meta"]["calls"]] == ["first", "queue 0", "queue 1"]
     assert merged["meta"]["gpu"] == "H200 #1"

@@ -3,16 +3,12 @@ SGLang 0.5.17's flashinfer backend requests for the served shapes (no torch, Fla
 the JitSpecs themselves are checked against FlashInfer by `--verify --set sglang`)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if importlib.util.find_spec("benchmarks") is None:  # `pytest` run without the repo on sys.path
-    sys.path.append(str(REPO))
+from benchmarks import flashinfer_prebuild as fp
 
-from benchmarks import flashinfer_prebuild as fp  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_models_match_the_server_configs():

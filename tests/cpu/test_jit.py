@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
     spec = append_kv.spec(recipe=sys.argv[1], head_dim=int(sys.argv[2]), page_size=int(sys.argv[3]), arch="sm_90a")
     t = time.monotonic()
     m = mpfa_jit.get_kernel(spec)
-    m.fn(append_kv.SYMBOL, append_kv.ARGTYPES)
+    m.params_fn(append_kv.SYMBOL, append_kv.PARAMS_LAYOUT_SYMBOL, append_kv.AppendParams)
     print("LOADED", m.uri, f"{(time.monotonic() - t) * 1000:.1f}")
 """)
 
@@ -52,11 +52,11 @@ def test_templates_are_found_as_installed():
 
 
 def test_render_substitutes_parameters_and_rejects_missing_ones():
-    src = render("append_kv.cu.jinja", {"recipe": "qk4pv8", "head_dim": 64, "page_size": 32, "arch": ARCH})
+    src = _spec("qk4pv8", 64, 32).render()
     assert "constexpr int kHeadDim = 64;" in src and "constexpr int kPageSize = 32;" in src
-    assert "e2m1_code" in src and "to_e4m3x2" in src
-    bf16 = render("append_kv.cu.jinja", {"recipe": "bf16", "head_dim": 128, "page_size": 1, "arch": ARCH})
-    assert "e2m1_code" not in bf16 and "mu_k + h" not in bf16
+    assert "kRecipe = mpfa::Recipe::kQk4pv8;" in src and "Layout::k8_bytes == 32" in src   # the layout check
+    bf16 = _spec("bf16", 128, 1).render()
+    assert "kRecipe = mpfa::Recipe::kBf16;" in bf16 and "Layout::k_bytes == 256" in bf16 and "k8_bytes" not in bf16
     with pytest.raises(jinja2.UndefinedError):
         render("append_kv.cu.jinja", {"recipe": "qk4pv8", "arch": ARCH})
 
@@ -164,10 +164,12 @@ def test_corrupt_entry_is_rebuilt(jit_cache):
 @pytest.mark.nvcc
 def test_compile_error_reports_the_log_and_publishes_nothing(jit_cache):
     store = Store(jit_cache)
-    with pytest.raises(BuildError, match="error"):
+    with pytest.raises(BuildError, match="error") as failure:
         store.get_or_build(_spec(), "this is not C++ at all;\n", "broken_source_uri")
     assert store.check("broken_source_uri") == "missing"
     assert not any((jit_cache / "tmp").iterdir())
+    kept = store.failed_dir("broken_source_uri")
+    assert f"kept in {kept} " in str(failure.value) and "this is not C++" in (kept / "kernel.cu").read_text()
 
 
 @pytest.mark.nvcc
@@ -189,34 +191,38 @@ def test_sass_has_fp8_conversion_and_no_spills(jit_cache, sass_tools):
 def test_warmup_and_cache_cli(jit_cache, capsys):
     from mpfa_jit import cache as cache_cli
     from mpfa_jit import warmup
-    from mpfa_jit.server_config import load as load_config
     cfg = os.path.join(os.path.dirname(__file__), "..", "..", "server_configs", "llama-3.1-8b-qk4pv8.yaml")
     assert warmup.main([cfg, "--arch", ARCH, "--no-progress"]) == 0
     out = capsys.readouterr().out
-    n = len(warmup.server_specs(load_config(cfg).shape, "qk4pv8", 16, ARCH))
     assert re.search(r"append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a\s+built", out)
-    assert f"{n} of {n} ready" in out
+    ready = re.search(r"(\d+) of (\d+) ready", out)   # which kernels: tests/cpu/test_server_cli.py
+    assert ready and ready[1] == ready[2] and int(ready[1]) >= 3, out
     assert warmup.main([cfg, "--arch", ARCH, "--no-progress"]) == 0
     assert re.search(r"append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a\s+cached", capsys.readouterr().out)
-    assert warmup.main(["--num-qo-heads", "32", "--num-kv-heads", "8", "--head-dim", "128", "--arch", "sm_80"]) == 2
+    assert warmup.main(["--num-qo-heads", "32", "--num-kv-heads", "8", "--head-dim", "128", "--page-size", "16",
+                        "--arch", "sm_80"]) == 2
     assert "sm_80" in capsys.readouterr().err
-    cache_cli.main(["list"])
+    assert cache_cli.main(["list"]) == 0
     listed = capsys.readouterr().out
     assert "append_kv_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a" in listed and "[ok]" in listed
-    cache_cli.main(["size"])
+    assert cache_cli.main(["size"]) == 0
     assert re.match(r"[0-9.]+ (KiB|MiB) ", capsys.readouterr().out)
-    cache_cli.main(["clear"])
-    assert "freed" in capsys.readouterr().out and Store(jit_cache).entries() == []
+    assert cache_cli.main(["clear"]) == 0
+    assert f"({ready[1]} builds)" in capsys.readouterr().out and Store(jit_cache).entries() == []
 
 
 def test_server_config_shapes():
-    from mpfa_jit.server_config import load
+    from mpfa.sglang.model import hf_config_facts, read_hf_config
+    from mpfa.sglang.settings import load_server_config
     root = os.path.join(os.path.dirname(__file__), "..", "..", "server_configs")
-    llama = load(os.path.join(root, "llama-3.1-8b-qk4pv8.yaml"))
-    assert (llama.shape.num_qo_heads, llama.shape.num_kv_heads, llama.shape.head_dim) == (32, 8, 128)
-    assert llama.recipe == "qk4pv8" and llama.page_size == 16 and llama.compensation
-    qwen = load(os.path.join(root, "qwen3-14b-qk4pv8.yaml"))
-    assert (qwen.shape.num_qo_heads, qwen.shape.num_kv_heads, qwen.shape.num_layers) == (40, 8, 40)
+    llama = load_server_config(os.path.join(root, "llama-3.1-8b-qk4pv8.yaml"))
+    facts = hf_config_facts(read_hf_config(llama.model_dir))
+    assert (facts["num_qo_heads"], facts["num_kv_heads"], facts["head_dim"]) == (32, 8, 128)
+    assert llama.mpfa["recipe"] == "qk4pv8" and llama.page_size == 16
+    qwen = load_server_config(os.path.join(root, "qwen3-14b-qk4pv8.yaml"))
+    qwen_cfg = read_hf_config(qwen.model_dir)
+    facts = hf_config_facts(qwen_cfg)
+    assert (facts["num_qo_heads"], facts["num_kv_heads"], qwen_cfg["num_hidden_layers"]) == (40, 8, 40)
     assert json.loads((llama.model_dir / "config.json").read_text())["num_hidden_layers"] == 32
 
 
