@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import torch
 
+from mpfa_jit.ops import append_kv as append_op
+
 from .recipes import Recipe, get_recipe
 from .recipes.fp4 import dequantize_k4rs
 from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
 from .recipes.smoothing import k_smoothing_mean
 from .validation import check_choice, check_positive_int
 
-PAGE_SIZES = (1, 16, 32, 64)
-HEAD_DIMS = (64, 128, 256)
+# The cache serves what the append kernel writes.
+HEAD_DIMS, PAGE_SIZES = append_op.HEAD_DIMS, append_op.PAGE_SIZES
 _DTYPES = {"bfloat16": torch.bfloat16, "uint8": torch.uint8, "float32": torch.float32}
 
 # V's channel scales come from whatever batch a layer sees first (a server's 3-token warmup request).
@@ -31,6 +33,14 @@ _DTYPES = {"bfloat16": torch.bfloat16, "uint8": torch.uint8, "float32": torch.fl
 # 4,096 calibration tokens, as with headroom 2) and keeps a 3-token sample unsaturated (headroom 2:
 # 16% of later values clipped, rel-L2 34%).
 V_HEADROOM = 256.0
+
+
+def _check_finite_sample(name: str, sample: torch.Tensor, layer: int) -> None:
+    bad = int((~torch.isfinite(sample)).sum())
+    if bad:
+        raise ValueError(f"{name} (the {name.upper()} sample calibrating layer {layer}) holds {bad} non-finite "
+                         f"elements (NaN or inf) of {sample.numel()}: calibration fixes the layer's scales for the "
+                         "cache's life, so it takes only finite samples; pass rows without NaN or inf")
 
 
 class KVCacheLayer:
@@ -98,6 +108,9 @@ class PagedKVCache:
         hd = (num_layers, num_kv_heads, head_dim)
         self.mu_k = torch.zeros(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_k else None
         self.v_scale = torch.ones(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_v else None
+        # Tokens the append kernel skipped because their slot was at or past num_slots (a kernel in a CUDA
+        # graph cannot raise): int32 [1] on the device, read and reset by check_append_slots().
+        self.out_of_range_slots = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     @property
     def num_slots(self) -> int:
@@ -118,20 +131,55 @@ class PagedKVCache:
 
     __getitem__ = layer
 
-    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = V_HEADROOM) -> None:
+    def check_append_slots(self) -> None:
+        """Raise ValueError if append_kv's CUDA kernel met slots at or past ``num_slots`` since the last
+        check, and reset the count. Those rows were skipped: no other page, request or layer was written,
+        but their K/V is missing from the cache.
+
+        The count lives on the device, so this waits for the current stream: call it where a
+        synchronization is already paid or harmless (after a batch of steps, in a health check, in tests),
+        not on every step of a CUDA-graph loop. The reference backend raises at the append itself."""
+        n = int(self.out_of_range_slots.item())
+        if n:
+            self.out_of_range_slots.zero_()
+            raise ValueError(f"append_kv was given {n} slot(s) outside [0, {self.num_slots}) (num_pages * page_size "
+                             "of one layer; a negative slot is padding and writes nothing): those rows were skipped")
+
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = V_HEADROOM,
+                  nonfinite: str = "raise") -> int:
         """Fix ``layer``'s mu_K and V channel scales from sample keys and values ``[tokens, H_kv, D]``
         (e.g. the first prefill). V scale = headroom * amax / 448 per channel, so later values up to
         ``headroom`` times the sample's stay unsaturated. Call before the layer's first append:
-        rows already written keep the scales they were written with."""
+        rows already written keep the scales they were written with.
+
+        A non-finite mean or amax would become a fixed scale of the layer and turn every later K or V of
+        that channel into NaN for the cache's life. ``nonfinite="raise"`` (the default) refuses samples
+        holding NaN or inf (ValueError); ``"ignore"`` leaves those elements out of each channel's mean and
+        amax (what a server does, so one bad request cannot stop it). Returns the number of non-finite
+        elements left out."""
+        check_choice("nonfinite", nonfinite, ("raise", "ignore"))
         idx = self.layer(layer).index
+        ignored = 0
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 3 or t.shape[1:] != (self.num_kv_heads, self.head_dim) or t.shape[0] == 0:
                 raise ValueError(f"{name} must be [tokens > 0, {self.num_kv_heads}, {self.head_dim}], got {tuple(t.shape)}")
+            if nonfinite == "raise":
+                _check_finite_sample(name, t, idx)
+            else:
+                ignored += int((~torch.isfinite(t)).sum())
         if self.mu_k is not None:
-            self.mu_k[idx] = k_smoothing_mean(k).to(self.device)
+            if ignored:
+                kf = k.float()
+                finite = torch.isfinite(kf)
+                mean = torch.where(finite, kf, torch.zeros_like(kf)).sum(dim=0) / finite.sum(dim=0).clamp(min=1)
+            else:
+                mean = k_smoothing_mean(k)
+            self.mu_k[idx] = mean.to(self.device)
         if self.v_scale is not None:
-            amax = v.float().abs().amax(dim=0)
+            va = v.float().abs()
+            amax = torch.where(torch.isfinite(va), va, torch.zeros_like(va)).amax(dim=0)
             self.v_scale[idx] = torch.where(amax > 0, amax * headroom / E4M3_MAX, torch.ones_like(amax)).to(self.device)
+        return ignored
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(recipe={self.recipe.name!r}, num_layers={self.num_layers}, num_pages={self.num_pages}, "

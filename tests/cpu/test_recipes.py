@@ -459,3 +459,85 @@ def test_quantize_k4rs(d):
     assert rel(deq) < 0.7 * rel(fp4.dequantize_k4(*fp4.quantize_k4(x)))
     with pytest.raises(ValueError, match="multiple of 64"):
         fp4.quantize_k4rs(torch.randn(2, 96))
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite inputs: calibration refuses them (its scales are fixed for the cache's life), plans
+# refuse a non-finite or non-positive sm_scale
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8", "qk4pv8"])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_calibrate_refuses_nonfinite_samples_and_keeps_the_scales(recipe, which, bad):
+    import mpfa
+    cache = mpfa.PagedKVCache(recipe, num_layers=3, num_pages=2, page_size=16, num_kv_heads=2, head_dim=64,
+                              device="cpu")
+    gen = _gen(20)
+    sample = {"k": _outlier_rows(40, 64, gen, 2), "v": _outlier_rows(40, 64, gen, 2)}
+    sample[which][[3, 17, 30], 1, [0, 5, 63]] = bad
+    with pytest.raises(ValueError, match=rf"^{which} \(the {which.upper()} sample calibrating layer 2\) holds 3 "
+                                         r"non-finite elements \(NaN or inf\) of 5120"):
+        cache.calibrate(2, sample["k"], sample["v"])
+    if cache.mu_k is not None:
+        assert (cache.mu_k == 0).all()
+    if cache.v_scale is not None:
+        assert (cache.v_scale == 1).all()
+
+
+def test_calibrated_v_scales_stay_finite_so_later_values_read_back():
+    """Why refusing matters: one inf in the V sample made that channel's scale inf, and every later V
+    of the channel read back as NaN (0 * inf)."""
+    import mpfa
+    cache = mpfa.PagedKVCache("qk8pv8", num_layers=1, num_pages=1, page_size=16, num_kv_heads=1, head_dim=64,
+                              device="cpu")
+    gen = _gen(21)
+    k, v = _outlier_rows(16, 64, gen, 1), _outlier_rows(16, 64, gen, 1)
+    v_inf = v.clone()
+    v_inf[0, 0, 7] = math.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        cache.calibrate(0, k, v_inf)
+    cache.calibrate(0, k, v)
+    mpfa.append_kv(k.bfloat16(), v.bfloat16(), cache.layer(0), torch.arange(16), backend="reference")
+    _, v_back = cache.layer(0).dequantize()
+    assert torch.isfinite(cache.v_scale).all() and torch.isfinite(v_back).all()
+
+
+def _paged_plan_args():
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    return one, torch.tensor([0], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("sm_scale", [math.nan, math.inf, -math.inf, 0.0, -0.125, "0.1", True])
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_plan_refuses_a_nonfinite_or_nonpositive_sm_scale(op, sm_scale):
+    import mpfa
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    indptr, indices, last = _paged_plan_args()
+    with pytest.raises(ValueError, match=r"sm_scale must be None \(1/sqrt\(head_dim\)\) or a finite positive float"):
+        if op == "prefill":
+            mpfa.BatchPrefillWrapper(ws, backend="reference").plan(
+                torch.tensor([0, 5], dtype=torch.int32), indptr, indices, last, 4, 2, 64, 16, sm_scale=sm_scale,
+                recipe="qk4pv8")
+        else:
+            mpfa.BatchDecodeWrapper(ws, backend="reference").plan(indptr, indices, last, 4, 2, 64, 16,
+                                                                  sm_scale=sm_scale, recipe="qk4pv8")
+
+
+def test_calibrate_can_leave_non_finite_elements_out():
+    """What the SGLang pool does with a first batch holding NaN / inf: the scales come from the finite elements
+    only (equal to calibrating on those rows alone), and the count of left-out elements is returned."""
+    import mpfa
+    torch.manual_seed(3)
+    clean_k = torch.randn(9, 2, 64).to(torch.bfloat16)
+    clean_v = torch.randn(9, 2, 64).to(torch.bfloat16)
+    k = torch.cat([clean_k, torch.full((1, 2, 64), float("nan"), dtype=torch.bfloat16)])
+    v = torch.cat([clean_v, torch.full((1, 2, 64), float("inf"), dtype=torch.bfloat16)])
+    a = mpfa.PagedKVCache("qk8pv8", num_layers=1, num_pages=2, page_size=16, num_kv_heads=2, head_dim=64, device="cpu")
+    b = mpfa.PagedKVCache("qk8pv8", num_layers=1, num_pages=2, page_size=16, num_kv_heads=2, head_dim=64, device="cpu")
+    assert a.calibrate(0, k, v, nonfinite="ignore") == 2 * 2 * 64
+    b.calibrate(0, clean_k, clean_v)
+    torch.testing.assert_close(a.mu_k, b.mu_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(a.v_scale, b.v_scale)
+    with pytest.raises(ValueError, match="nonfinite"):
+        a.calibrate(0, clean_k, clean_v, nonfinite="skip")

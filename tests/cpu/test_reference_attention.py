@@ -320,3 +320,315 @@ def test_recipe_attention_quantizes_q_per_tile():
     err_1 = _rel(one[128:], exact[128:])
     assert err_t < 0.05
     assert err_t < 0.5 * err_1, (err_t, err_1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite inputs (module docstring of mpfa.reference.attention): attention() and the bf16 recipe
+# compute in IEEE arithmetic; the quantized recipes set every output that depends on one to NaN.
+# Either way never 0 or a finite value where one reaches, and the outputs it does not reach equal a
+# clean run bit for bit.
+# --------------------------------------------------------------------------------------------------
+
+BAD = [math.nan, math.inf, -math.inf]
+QUANTIZED = ["qk8pv8", "qk4pv8"]
+
+
+def _bf16_recipe(q, k, v, **kw):
+    return recipe_attention(q, k, v, recipe="bf16", **kw)
+
+
+IEEE = {"attention": attention, "bf16": _bf16_recipe}
+
+
+def _fn(name):
+    if name in IEEE:
+        return IEEE[name]
+    return lambda q, k, v, **kw: recipe_attention(q.bfloat16(), k, v, recipe=name, **kw)
+
+
+def _poisoned_copy(x, index, value):
+    y = x.clone()
+    y[index] = value
+    return y
+
+
+def _same_where(a, b, where):
+    """``a`` equals ``b`` bit for bit at ``where`` (a bool mask broadcast to a's shape)."""
+    where = where.expand_as(a)
+    assert torch.equal(a[where], b[where])
+
+
+def _sees(n, m, causal):
+    """``[n, m]``: query row i sees key j (bottom-right causal)."""
+    if not causal:
+        return torch.ones(n, m, dtype=torch.bool)
+    return torch.arange(m).unsqueeze(0) <= torch.arange(n).unsqueeze(1) + (m - n)
+
+
+@pytest.mark.parametrize("fn,bad", [(f, math.nan) for f in IEEE] + [(r, b) for r in QUANTIZED for b in BAD])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_key_gives_nan_in_every_row_that_sees_it(fn, bad, causal):
+    """NaN under IEEE arithmetic; any non-finite element for the quantized recipes (NaN scale)."""
+    n, m, heads, kv_heads = 6, 9, 4, 2
+    q, k, v = _qkv(n, m, heads, kv_heads, 64, _gen(403))
+    f = _fn(fn)
+    clean_o, clean_lse = f(q, k, v, causal=causal)
+    o, lse = f(q, _poisoned_copy(k, (5, 1, 40), bad), v, causal=causal)
+    hit = torch.zeros(n, heads, dtype=torch.bool)
+    hit[_sees(n, m, causal)[:, 5], 2:4] = True          # KV head 1 serves query heads 2, 3
+    assert torch.isnan(o[hit]).all() and torch.isnan(lse[hit]).all()
+    _same_where(o, clean_o, ~hit.unsqueeze(-1))
+    _same_where(lse, clean_lse, ~hit)
+
+
+@pytest.mark.parametrize("fn,bad", [(f, math.nan) for f in IEEE] + [(r, b) for r in QUANTIZED for b in BAD])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_value_gives_nan_in_its_channel_of_every_row_that_sees_it(fn, bad, causal):
+    n, m, heads, kv_heads, d = 6, 9, 4, 2, 64
+    q, k, v = _qkv(n, m, heads, kv_heads, d, _gen(404))
+    f = _fn(fn)
+    clean_o, clean_lse = f(q, k, v, causal=causal)
+    o, lse = f(q, k, _poisoned_copy(v, (7, 0, 11), bad), causal=causal)
+    hit = torch.zeros(n, heads, d, dtype=torch.bool)
+    hit[_sees(n, m, causal)[:, 7], 0:2, 11] = True
+    assert hit.any() and torch.isnan(o[hit]).all()
+    _same_where(o, clean_o, ~hit)
+    assert torch.equal(lse, clean_lse)                  # LSE does not read V
+
+
+@pytest.mark.parametrize("fn", list(IEEE))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf])
+def test_inf_value_gives_inf_in_its_channel_of_every_row_that_sees_it(fn, causal, bad):
+    """p * inf with p > 0 for every row that sees the key: that inf, exactly."""
+    n, m, heads, kv_heads, d = 6, 9, 4, 2, 64
+    q, k, v = _qkv(n, m, heads, kv_heads, d, _gen(404))
+    f = IEEE[fn]
+    clean_o, clean_lse = f(q, k, v, causal=causal)
+    o, lse = f(q, k, _poisoned_copy(v, (7, 0, 11), bad), causal=causal)
+    hit = torch.zeros(n, heads, d, dtype=torch.bool)
+    hit[_sees(n, m, causal)[:, 7], 0:2, 11] = True
+    assert hit.any() and (o[hit] == bad).all()
+    _same_where(o, clean_o, ~hit)
+    assert torch.equal(lse, clean_lse)
+
+
+@pytest.mark.parametrize("fn", list(IEEE))
+def test_inf_values_give_nan_where_opposite_infs_meet_or_the_weight_is_zero(fn):
+    """Channel 3: +inf and -inf in two keys every row sees (inf - inf). Channel 5: inf in the V of a key
+    whose score is -inf for head 0 (its K holds inf against q < 0): weight 0, and 0 * inf is NaN; for
+    head 1 (q > 0) that score is +inf, so the whole row is NaN."""
+    n, m, d = 4, 6, 16
+    q, k, v = _qkv(n, m, 2, 1, d, _gen(408), outliers=False)
+    v[1, 0, 3], v[2, 0, 3] = math.inf, -math.inf
+    q[:, 0, 8], q[:, 1, 8] = -1.0, 1.0
+    k[4, 0, 8], v[4, 0, 5] = math.inf, math.inf
+    o, lse = IEEE[fn](q, k, v, causal=False)
+    assert torch.isnan(o[:, 1]).all() and torch.isnan(lse[:, 1]).all()
+    assert torch.isnan(o[:, 0, 3]).all() and torch.isnan(o[:, 0, 5]).all()
+    finite = torch.ones(d, dtype=torch.bool)
+    finite[[3, 5]] = False
+    assert torch.isfinite(o[:, 0, finite]).all() and torch.isfinite(lse[:, 0]).all()
+
+
+@pytest.mark.parametrize("fn", list(IEEE))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf])
+def test_inf_key_gives_nan_or_drops_the_key_by_the_sign_of_its_product_with_q(fn, causal, bad):
+    """Score sign(q[c] * k[c]) * inf: +inf, or NaN where q[c] = 0, makes output and LSE NaN; -inf gives
+    the key weight 0, so the row is that of attention without the key."""
+    n, m, heads, kv_heads, c = 6, 9, 4, 2, 40
+    q, k, v = _qkv(n, m, heads, kv_heads, 64, _gen(409))
+    q[:, 2:4, c] = torch.tensor([1.0, -1.0, 0.0, -2.0, 3.0, -0.5]).unsqueeze(1) * torch.tensor([1.0, -1.0])
+    f = IEEE[fn]
+    clean_o, clean_lse = f(q, k, v, causal=causal)
+    bad_k = _poisoned_copy(k, (5, 1, c), bad)
+    o, lse = f(q, bad_k, v, causal=causal)
+    sees = _sees(n, m, causal)
+    in_group = torch.zeros(n, heads, dtype=torch.bool)
+    in_group[sees[:, 5], 2:4] = True                    # KV head 1 serves query heads 2, 3
+    dropped = in_group & (q[:, :, c] * bad < 0)
+    nan = in_group & ~dropped
+    assert nan.any() and dropped.any()
+    assert torch.isnan(o[nan]).all() and torch.isnan(lse[nan]).all()
+    assert torch.isfinite(o[dropped]).all() and torch.isfinite(lse[dropped]).all()
+    for i, h in dropped.nonzero().tolist():
+        keys = [j for j in range(m) if sees[i, j] and j != 5]
+        o_ref, lse_ref = f(q[i:i + 1], k[keys], v[keys], causal=False)
+        _close(o[i, h], o_ref[0, h], tol=1e-12)
+        _close(lse[i, h], lse_ref[0, h], tol=1e-12)
+    _same_where(o, clean_o, ~in_group.unsqueeze(-1))
+    _same_where(lse, clean_lse, ~in_group)
+
+
+@pytest.mark.parametrize("fn", list(IEEE))
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_query_element_gives_nan_in_its_row_and_head(fn, causal):
+    q, k, v = _qkv(6, 9, 4, 2, 64, _gen(400))
+    f = IEEE[fn]
+    clean_o, clean_lse = f(q, k, v, causal=causal)
+    o, lse = f(_poisoned_copy(q, (2, 3, 17), math.nan), k, v, causal=causal)
+    hit = torch.zeros(6, 4, dtype=torch.bool)
+    hit[2, 3] = True
+    assert torch.isnan(o[2, 3]).all() and torch.isnan(lse[2, 3])
+    _same_where(o, clean_o, ~hit.unsqueeze(-1))
+    _same_where(lse, clean_lse, ~hit)
+
+
+@pytest.mark.parametrize("fn", list(IEEE))
+@pytest.mark.parametrize("bad,zero_key,expect", [(-math.inf, False, "nan"), (math.inf, True, "nan"),
+                                                 (math.inf, False, "no key")])
+def test_inf_query_element_acts_through_the_scores(fn, bad, zero_key, expect):
+    """Channel 17 of every key of KV head 1 is negative: -inf in q gives +inf scores (exp(inf - inf) is
+    NaN); +inf gives -inf scores, so the row counts as seeing no key (0, LSE -inf), unless a key it sees
+    has 0 there (0 * inf: NaN)."""
+    q, k, v = _qkv(6, 9, 4, 2, 64, _gen(400))
+    k[:, 1, 17] = -k[:, 1, 17].abs() - 0.5
+    if zero_key:
+        k[2, 1, 17] = 0.0                                # row 4 sees key 2 (keys j <= i + 3)
+    f = IEEE[fn]
+    clean_o, clean_lse = f(q, k, v, causal=True)
+    o, lse = f(_poisoned_copy(q, (4, 3, 17), bad), k, v, causal=True)
+    if expect == "nan":
+        assert torch.isnan(o[4, 3]).all() and torch.isnan(lse[4, 3])
+    else:
+        assert (o[4, 3] == 0).all() and torch.isneginf(lse[4, 3])
+    hit = torch.zeros(6, 4, dtype=torch.bool)
+    hit[4, 3] = True
+    _same_where(o, clean_o, ~hit.unsqueeze(-1))
+    _same_where(lse, clean_lse, ~hit)
+
+
+def test_nonfinite_sm_scale():
+    """NaN: every row that sees a key is NaN. inf (IEEE): a (row, head) with a visible score >= 0 gets
+    +inf or NaN there, so NaN; one whose visible scores are all < 0 gets -inf everywhere, as if it saw no
+    key. The quantized recipes give NaN for both."""
+    n, m, heads = 5, 8, 4
+    q, k, v = _qkv(n, m, heads, 2, 64, _gen(401), outliers=False)
+    k[:, 0] = k[:, 0].abs()
+    q[:, 0:2] = -q[:, 0:2].abs()                         # query heads 0, 1 read KV head 0: every score < 0
+    scores = torch.einsum("qhd,khd->qhk", q.double(), k.double().repeat_interleave(2, dim=1))
+    sees = _sees(n, m, True).unsqueeze(1)
+    some_nonneg = ((scores >= 0) & sees).any(dim=-1)     # [n, H]
+    assert not some_nonneg[:, 0:2].any() and some_nonneg[:, 2:4].any()
+    for fn in IEEE.values():
+        o, lse = fn(q, k, v, causal=True, sm_scale=math.nan)
+        assert torch.isnan(o).all() and torch.isnan(lse).all()
+        o, lse = fn(q, k, v, causal=True, sm_scale=math.inf)
+        assert torch.isnan(o[some_nonneg]).all() and torch.isnan(lse[some_nonneg]).all()
+        assert (o[~some_nonneg] == 0).all() and torch.isneginf(lse[~some_nonneg]).all()
+    for sm_scale in (math.nan, math.inf):
+        o, lse = recipe_attention(q.bfloat16(), k, v, recipe="qk4pv8", causal=True, sm_scale=sm_scale)
+        assert torch.isnan(o).all() and torch.isnan(lse).all()
+
+
+@pytest.mark.parametrize("fn", list(IEEE) + QUANTIZED)
+def test_rows_that_see_no_key_stay_zero_with_a_nonfinite_input(fn):
+    q, k, v = _qkv(9, 5, 6, 2, 64, _gen(402))            # bottom-right causal: rows 0-3 see no key
+    f = _fn(fn)
+    for o, lse in (f(_poisoned_copy(q, (1, 0, 0), math.nan), k, v, causal=True),
+                   f(q, k, v, causal=True, sm_scale=math.nan),
+                   f(q, _poisoned_copy(k, (4, 1, 3), math.inf), _poisoned_copy(v, (4, 0, 3), -math.inf), causal=True)):
+        assert (o[:4] == 0).all() and torch.isneginf(lse[:4]).all()
+    o, _ = f(q, k, v, causal=True, sm_scale=math.nan)
+    assert torch.isnan(o[4:]).all()
+
+
+@pytest.mark.parametrize("recipe", QUANTIZED)
+@pytest.mark.parametrize("bad", BAD)
+def test_quantized_q_spreads_a_nonfinite_element_over_the_rows_sharing_its_factors(recipe, bad):
+    """FP8 Q: with compensation, mu_Q is the mean of the request's rows per head, so every row of that
+    head is NaN; without, the rows of the element's scale tile (q_tile rows, same head)."""
+    n, heads = 10, 4
+    q, k, v = _qkv(n, 14, heads, 2, 64, _gen(405))
+    q = q.bfloat16()
+    bad_q = _poisoned_copy(q, (6, 1, 9), bad)
+    for compensation, rows in ((True, slice(None)), (False, slice(4, 8))):
+        kw = dict(recipe=recipe, causal=True, compensation=compensation, q_tile=4)
+        clean_o, clean_lse = recipe_attention(q, k, v, **kw)
+        o, lse = recipe_attention(bad_q, k, v, **kw)
+        hit = torch.zeros(n, heads, dtype=torch.bool)
+        hit[rows, 1] = True
+        assert torch.isnan(o[hit]).all() and torch.isnan(lse[hit]).all(), compensation
+        _same_where(o, clean_o, ~hit.unsqueeze(-1))
+        _same_where(lse, clean_lse, ~hit)
+
+
+@pytest.mark.parametrize("recipe", [None, "bf16", "qk8pv8"])
+def test_batch_keeps_a_nonfinite_input_inside_its_request(recipe):
+    gen = _gen(406)
+    heads, kv_heads, d, page_size = 4, 2, 64, 16
+    requests = [(5, 26), (7, 7), (1, 40)]
+    dense, kp, vp, indptr, indices, last, qo_indptr = _build_batch(requests, page_size, kv_heads, d, gen)
+    q = torch.randn(int(qo_indptr[-1]), heads, d, generator=gen)
+    if recipe is not None:
+        q = q.bfloat16()
+    kw = dict(causal=True, recipe=recipe)
+    clean_o, clean_lse = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, **kw)
+    # Request 1 (rows 5..11): NaN in its Q and K, and -inf in V of its last token (page 0 of its pages).
+    q1, kp1, vp1 = q.clone(), kp.clone(), vp.clone()
+    q1[8, 0, 3] = math.nan
+    page = int(indices[int(indptr[1])])
+    kp1[page, 1, 6, 0] = math.nan
+    vp1[page, 0, 6, 2] = -math.inf
+    o, lse = batch_attention(q1, qo_indptr, kp1, vp1, indptr, indices, last, **kw)
+    assert torch.isnan(o[8, 0]).all()                  # the NaN query row
+    assert torch.isnan(o[11, 2:4]).all()               # the last row sees the NaN key (KV head 1) ...
+    value = o[11, 0:2, 2]                              # ... and the -inf value (KV head 0, channel 2)
+    assert torch.isnan(value).all() if recipe == "qk8pv8" else (value == -math.inf).all()
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[5:12] = False
+    assert torch.isfinite(o[others]).all()
+    assert torch.equal(o[others], clean_o[others]) and torch.equal(lse[others], clean_lse[others])
+
+
+def _reference_wrappers(recipe, v_poison=None):
+    """A one-layer cache on the CPU holding 40 tokens (calibrated on clean ones, then appended with V
+    element ``v_poison = (token, kv_head, channel, value)``), and plans of both wrappers with
+    backend="reference": request 0 is tokens 0-7 (8 query rows), request 1 tokens 16-47 (5 rows)."""
+    import mpfa
+    gen = _gen(407)
+    heads, kv_heads, d, page = 4, 2, 64, 16
+    cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=4, page_size=page, num_kv_heads=kv_heads, head_dim=d,
+                              device="cpu")
+    k, v = torch.randn(40, kv_heads, d, generator=gen), torch.randn(40, kv_heads, d, generator=gen)
+    cache.calibrate(0, k, v)
+    if v_poison is not None:
+        v[v_poison[:3]] = v_poison[3]
+    mpfa.append_kv(k.bfloat16(), v.bfloat16(), cache.layer(0), torch.arange(40), backend="reference")
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+    pages = (i32(0, 1, 3), i32(0, 1, 2), i32(8, 16))
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    prefill = mpfa.BatchPrefillWrapper(ws, backend="reference")
+    prefill.plan(i32(0, 8, 13), *pages, heads, kv_heads, d, page, recipe=recipe)
+    decode = mpfa.BatchDecodeWrapper(ws, backend="reference")
+    decode.plan(*pages, heads, kv_heads, d, page, recipe=recipe)
+    q = torch.randn(8 + 5, heads, d, generator=gen).bfloat16()
+    return cache.layer(0), prefill, decode, q
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8", "qk4pv8"])
+def test_wrappers_reference_path_gives_nan_for_a_nan_query(recipe):
+    """backend="reference" through the public API: a NaN in one query row reaches that request's rows
+    (all of its chunk for that head with FP8 Q), never zeros, and no other request."""
+    layer, prefill, decode, q = _reference_wrappers(recipe)
+    q[9, 2, 7] = math.nan                                  # request 1's second row, head 2
+    o = prefill.run(q, layer)
+    assert torch.isnan(o[9, 2]).all()
+    assert torch.isnan(o[8:13, 2]).all() == (recipe != "bf16")
+    assert torch.isfinite(o[:8]).all() and torch.isfinite(o[8:13, [0, 1, 3]]).all()
+    o = decode.run(q[[0, 9]], layer)
+    assert torch.isnan(o[1, 2]).all() and torch.isfinite(o[0]).all() and torch.isfinite(o[1, [0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8", "qk4pv8"])
+def test_wrappers_reference_path_follow_the_recipe_for_an_inf_value(recipe):
+    """inf in V of token 20 (request 1's key 4; KV head 1, channel 5): the bf16 cache stores it and
+    the outputs that see it carry inf in that channel; a quantized cache stores E4M3 NaN: NaN."""
+    layer, prefill, decode, q = _reference_wrappers(recipe, (20, 1, 5, math.inf))
+    expect = torch.isinf if recipe == "bf16" else torch.isnan
+    for o, rows in ((prefill.run(q, layer), slice(8, 13)), (decode.run(q[[0, 9]], layer), slice(1, 2))):
+        assert expect(o[rows, 2:4, 5]).all()               # query heads 2, 3 read KV head 1
+        finite = torch.ones_like(o, dtype=torch.bool)
+        finite[rows, 2:4, 5] = False
+        assert torch.isfinite(o[finite]).all()
