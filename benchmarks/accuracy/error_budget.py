@@ -4,6 +4,8 @@ format would cost less.
     python -m benchmarks.accuracy.error_budget [--contexts 1024 2048] [--q-len 256] [--out /tmp/mpfa-error-budget]
                                                [--no-model] [--no-synthetic] [--data-dir DIR]
                                                [--model-tokens N] [--model-configs C ...] [--model-dtype float32]
+                                           [--configs C ...] [--no-diagnostics] [--capture-cache FILE]
+                                           [--text kjv|stdlib] [--skip-tokens N] [--device cuda]
 
 Inputs: Q/K/V after RoPE of every layer of SmolLM2-135M on KJV text (:func:`.model.capture`; the last
 ``q_len`` tokens of a ``context`` as queries, causal), and the synthetic ``gaussian`` / ``outlier``
@@ -14,7 +16,8 @@ attention output is compared with float64 exact attention on the unquantized bf1
 Sources, alone and combined (names are the row ``config``):
 
 * Q: ``q8`` FP8 per 128-row tile as it is; ``q8s`` Q - mu_Q (mean of the chunk) per tile plus the
-  rank-one compensation mu_Q . K added to the scores in float64 (the recipe's prefill numerics).
+  rank-one compensation mu_Q . K added to the scores in float64 (the recipe's prefill numerics);
+  ``qi8`` / ``qi8s`` the same with INT8 per tile (:func:`mpfa.recipes.int8.quantize_q_per_tile`, amax -> 127).
 * K, on K~ = K - mu_K (``mu=none``: mu_K = 0; ``first``: mean of the first ``n_cal`` tokens of the
   context; ``all``: mean of every context token, what :mod:`.kernel` and a first prefill do):
   ``k4``   the implemented format (:func:`mpfa.recipes.fp4.quantize_k4`: E2M1, block 16, block scales
@@ -35,8 +38,24 @@ Sources, alone and combined (names are the row ``config``):
   ``~s``   suffix: the first 16 keys (one page: the attention-sink token) in FP8 per token;
            ``~b``: the same page kept exact (bf16, un-smoothed: the kernel would subtract mu_K . Q there);
   ``k8``   FP8 per token (``qk8pv8``'s K).
+  8-bit integer K (:mod:`mpfa.recipes.int8`, issue 20; every value the QK MMA sees is an INT8 integer
+  times one per-key FP32 scale):
+  ``ki8``  INT8 per token (amax -> 127);
+  ``ki4``  ``i4rs``: the low-frequency RoPE half INT8, the other half INT4 in [-7, 7] times an integer
+           block scale b in 1..18 per 16 channels chosen by least squared error, one scale per row
+           (amax -> 126); ``ki4b8``: 8-channel blocks; ``ki4u`` / ``ki4ub8``: b rounded up
+           (ceil(amax / 7), no clipping) instead of the MSE choice; ``ki4t127``: row amax -> 127 (a
+           row-max element in the INT4 half clips to 126);
+  ``kt8``  the peer: SGLang's ``--kv-cache-dtype fp8_e4m3`` cache, K cast to E4M3 with the per-tensor
+           scale 1.0 (no smoothing; with ``vt8`` for V the same). Q and P stay exact here (FlashInfer
+           keeps Q and P in bf16/fp16 and dequantizes K/V in registers: the cache is what is emulated).
+  ``~c``   suffix: a stored per-key correction c = mu_Q . (K~ - K_q) per query head, E4M3 under the
+           key's own scale (c / s_K, saturating; 1 byte per query head and key), added to the scores;
+           mu_Q fixed at calibration (``~c``: the mean of the call's queries, ``~cf``: of its first
+           ``n_cal`` query rows, as a server fixing it from an earlier prefill would).
 * P: ``p8`` FP8 after exp with the static offset 448 (``e4m3(p * 448) / 448``).
-* V: ``v8`` FP8 with per-(KV head, channel) scales 2 * amax / 448 from the context's values.
+* V: ``v8`` FP8 with per-(KV head, channel) scales 2 * amax / 448 from the context's values;
+  ``vt8`` E4M3 with the per-tensor scale 1.0 (the peer's V).
 
 Diagnostics per layer and KV head (``kind: diag`` rows): large-mean channels (|mu_c| / sd_c),
 per-token amax before and after smoothing, relative K error, the logit noise the K error causes in
@@ -45,10 +64,18 @@ invisible to softmax) and its part from the channels with large mu_K; the attent
 mean probability of key 0 (``p_sink``), ||K_0 - mu|| over the median key's (``k0_norm_rel_*``),
 and the score error of key 0 relative to the p-weighted mean error (``sink_logit_err_*``).
 
+i4rs block scales (``kind: i4rs_blocks`` rows, per context and block size): where the MSE block scale
+sits relative to the rounded-up one (share of blocks per offset b_mse - b_up), for the append kernel's
+search.
+
 Model level: perplexity and KL(exact || config) of SmolLM2 on KJV with every layer's attention
 replaced by the configuration (registered as transformers attention ``"mpfa_budget"``; mu_K and the
 other calibrated scales come from the same forward, as :class:`.model.MpfaSession` calibrates from
-the first prefill; ``--model-dtype float32`` halves the CPU time of long sequences). Writes
+the first prefill; ``--model-dtype float32`` halves the CPU time of long sequences). ``--text stdlib``
+reads the running Python's standard library instead of KJV, ``--skip-tokens N`` starts N tokens into
+the text (a second sample of the same text). ``--device cuda`` runs the same simulation (model weights
+in float32, attention in float64/float32) on a GPU: the reference numerics, not the kernels, ~100x faster
+than 2 CPU cores (the 2K/4K/8K study of issue 20 took 3 minutes on the H200). Writes
 ``<out>/error_budget.json`` with :func:`benchmarks.results_io.write`.
 """
 from __future__ import annotations
@@ -63,6 +90,7 @@ from pathlib import Path
 import torch
 
 from mpfa.recipes.fp4 import BLOCK, E2M1_MAX, TOKEN_TARGET, e2m1_codes, e2m1_values, round_up_block_scale
+from mpfa.recipes import int8 as I8
 from mpfa.recipes.fp8 import E4M3_DTYPE, E4M3_MAX, amax_scale, quantize_e4m3, quantize_per_tile, quantize_per_token
 from mpfa.reference.attention import P_SCALE, _run, attention
 
@@ -139,7 +167,7 @@ def k4r(x: torch.Tensor) -> torch.Tensor:
     the low-frequency half (c mod D/2 >= D/4, where the large-mean channels sit) FP8 per token, the
     high-frequency half ``k4e`` (E4M3 block scales, 16-channel blocks). Two per-token scales."""
     d = x.shape[-1]
-    low = (torch.arange(d) % (d // 2)) >= d // 4
+    low = ((torch.arange(d) % (d // 2)) >= d // 4).to(x.device)
     out = torch.empty_like(x, dtype=torch.float32)
     out[..., low] = k8(x[..., low])
     out[..., ~low] = k4(x[..., ~low], scales="e4m3")
@@ -155,7 +183,7 @@ def k4rs(x: torch.Tensor, *, fp8_share: float = 0.5) -> torch.Tensor:
     per-key scale for the QK MMA, as qk4pv8's is now. ``fp8_share`` 0.5: ``k4rs``, 0.25: ``k4rsq``."""
     x = x.float()
     d = x.shape[-1]
-    low = (torch.arange(d) % (d // 2)) >= round((1 - fp8_share) * (d // 2))
+    low = ((torch.arange(d) % (d // 2)) >= round((1 - fp8_share) * (d // 2))).to(x.device)
     ts = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET).unsqueeze(-1)
     out = torch.empty_like(x)
     out[..., low] = quantize_e4m3(x[..., low], ts).float() * ts
@@ -167,6 +195,22 @@ def k4rs(x: torch.Tensor, *, fp8_share: float = 0.5) -> torch.Tensor:
     out[..., ~low] = (vals * bs.unsqueeze(-1) * ts.unsqueeze(-1)).reshape(rest.shape)
     return out
 
+
+def ki8(x: torch.Tensor) -> torch.Tensor:
+    return I8.dequantize_k_per_token(*I8.quantize_k_per_token(x.float()))
+
+
+def ki4(x: torch.Tensor, *, block: int = 16, rule: str = "mse", target: float = I8.I4RS_TARGET) -> torch.Tensor:
+    return I8.dequantize_i4rs(*I8.quantize_i4rs(x.float(), block=block, rule=rule, target=target))
+
+
+def kt8(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 with scale 1.0, saturating at 448 (torch's cast; an unscaled cache only sees |x| <= 448 in practice)."""
+    return quantize_e4m3(x.float(), 1.0).float()
+
+
+# the per-key scale each integer format stores (the correction ~c is stored under it): row amax -> target
+K_SCALE_TARGET = {"ki8": I8.INT8_MAX, "ki4t127": 127.0}
 
 K_FORMATS = {
     "k4": lambda x: k4(x),
@@ -180,6 +224,13 @@ K_FORMATS = {
     "k4rs": k4rs,
     "k4rsq": lambda x: k4rs(x, fp8_share=0.25),
     "k8": k8,
+    "ki8": ki8,
+    "ki4": ki4,
+    "ki4b8": lambda x: ki4(x, block=8),
+    "ki4u": lambda x: ki4(x, rule="up"),
+    "ki4ub8": lambda x: ki4(x, block=8, rule="up"),
+    "ki4t127": lambda x: ki4(x, target=127.0),
+    "kt8": kt8,
 }
 
 
@@ -195,23 +246,27 @@ def equalizer(k_cal: torch.Tensor) -> torch.Tensor:
 def parse(name: str) -> dict:
     """``"q8s+k4@all+p8+v8"`` -> {'q': 'q8s', 'k': 'k4', 'eq': False, 'mu': 'all', 'p': True, 'v': True}.
     ``exact`` is nothing quantized. K's mu_K source follows ``@`` (none|first|all; default none)."""
-    cfg = {"name": name, "q": None, "k": None, "eq": False, "mu": "none", "sink": False, "p": False, "v": False}
+    cfg = {"name": name, "q": None, "k": None, "eq": False, "mu": "none", "sink": False, "p": False, "v": False,
+           "corr": None}
     if name == "exact":
         return cfg
     for part in name.split("+"):
-        if part in ("q8", "q8s"):
+        if part in ("q8", "q8s", "qi8", "qi8s"):
             cfg["q"] = part
         elif part == "p8":
             cfg["p"] = True
         elif part == "v8":
             cfg["v"] = True
+        elif part == "vt8":
+            cfg["v"] = "t8"
         else:
-            m = re.fullmatch(r"(eq)?(k\w+?)(?:@(none|first|all))?(~s|~b)?", part)
+            m = re.fullmatch(r"(eq)?(k\w+?)(?:@(none|first|all))?(~s|~b)?(~cf|~c)?", part)
             if not m or m.group(2) not in K_FORMATS:
                 raise ValueError(f"unknown part {part!r} in {name!r}")
             cfg["k"], cfg["eq"], cfg["mu"] = m.group(2), bool(m.group(1)), m.group(3) or "none"
             cfg["sink"] = bool(m.group(4))
             cfg["sink_exact"] = m.group(4) == "~b"
+            cfg["corr"] = {None: None, "~c": "all", "~cf": "first"}[m.group(5)]
     return cfg
 
 
@@ -225,7 +280,14 @@ K_VARIANTS = ["k4e", "k4e@all", "k4f", "k4f@all", "k4m", "k4m@all", "k4b8", "k4b
 COMBINED = [IMPL, "q8s+k4+p8+v8", "q8+k4@all+p8+v8", "q8+k4+p8+v8", IMPL8, "q8s+k8+p8+v8",
             "q8s+k4e@all+p8+v8", "q8s+k4e+p8+v8", "q8s+k4m+p8+v8", "q8s+k4b8+p8+v8", "q8s+eqk4+p8+v8",
             "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8", "q8s+k4m@all~s+p8+v8", "q8s+k4e~s+p8+v8", "q8s+p8+v8"]
-ALL_CONFIGS = ["exact"] + ALONE + K_VARIANTS + COMBINED
+INT8_IMPL = "qi8s+ki8@all+p8+v8"        # issue 20's qk8pv8: INT8 Q per tile (smoothed) and INT8 K per token
+I4RS_IMPL = "qi8s+ki4@all+p8+v8"        # issue 20's qk4pv8: INT8 Q and i4rs K (16-channel blocks, MSE scales)
+PEER_FP8KV = "kt8+vt8"                  # SGLang's fp8_e4m3 KV cache (FlashInfer), per-tensor scale 1.0
+INT_CONFIGS = ["qi8", "qi8s", "ki8", "ki8@all", "ki4@all", "ki4b8@all", "ki4u@all", "ki4ub8@all", "ki4t127@all",
+               "ki8@all~c", "ki4@all~c", "kt8", "vt8", PEER_FP8KV,
+               INT8_IMPL, I4RS_IMPL, "qi8s+ki4b8@all+p8+v8", "qi8s+ki4u@all+p8+v8", "qi8s+ki8@all~c+p8+v8",
+               "qi8s+ki4@all~c+p8+v8", "q8s+ki8@all+p8+v8", "qi8s+k8@all+p8+v8"]
+ALL_CONFIGS = ["exact"] + ALONE + K_VARIANTS + COMBINED + INT_CONFIGS
 
 
 def _expand(x, heads):
@@ -233,8 +295,11 @@ def _expand(x, heads):
     return x.repeat_interleave(heads // kv, dim=1) if heads != kv else x
 
 
-def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_CAL) -> dict:
-    """Fixed per-(KV head) quantities from the context: mu_K, the equalizer of K - mu_K, V scales."""
+def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_CAL,
+              q_ctx: torch.Tensor | None = None) -> dict:
+    """Fixed per-(KV head) quantities from the context: mu_K, the equalizer of K - mu_K, V scales; with
+    ``q_ctx`` also mu_Q per query head for the stored correction (``mu_q``: all rows, ``mu_q_first``: the
+    first ``n_cal``)."""
     kf = k_ctx.float()
     if mu == "none":
         mu_k = torch.zeros_like(kf[0])
@@ -246,7 +311,21 @@ def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_
         raise ValueError(mu)
     amax = v_ctx.float().abs().amax(dim=0)
     v_scale = torch.where(amax > 0, amax * 2.0 / E4M3_MAX, torch.ones_like(amax))
-    return {"mu_k": mu_k, "t": equalizer(kf - mu_k), "v_scale": v_scale}
+    out = {"mu_k": mu_k, "t": equalizer(kf - mu_k), "v_scale": v_scale}
+    if q_ctx is not None and q_ctx.shape[0] > 0:
+        out["mu_q"] = q_ctx.float().mean(dim=0)
+        out["mu_q_first"] = q_ctx[:n_cal].float().mean(dim=0)
+    return out
+
+
+def stored_correction(mu_q: torch.Tensor, ks: torch.Tensor, k_eff: torch.Tensor, target: float) -> torch.Tensor:
+    """``[heads, keys]``: mu_Q . (K~ - K_q) per query head and key, stored as E4M3 of the value over the
+    key's scale (row amax of K~ over ``target``, the scale the K format stores) and multiplied back."""
+    heads = mu_q.shape[0]
+    dk = _expand((ks - k_eff).double(), heads)                       # [keys, heads, D]
+    c = torch.einsum("hd,khd->hk", mu_q.double(), dk)
+    s = _expand(amax_scale(ks.abs().amax(dim=-1), target).unsqueeze(-1), heads)[..., 0].T   # [heads, keys]
+    return quantize_e4m3(c.float(), s).float().double() * s.double()
 
 
 def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: float | None = None,
@@ -255,7 +334,7 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
     scores/softmax/PV otherwise). Returns (o ``[n, H, D]``, the effective K as scored ``[m, H_kv, D]``)."""
     heads, d = q.shape[1], q.shape[2]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    cal = cal or calibrate(k, v, cfg["mu"])
+    cal = cal or calibrate(k, v, cfg["mu"], q_ctx=q)
     qf, kf = q.float(), k.float()
     if cfg["k"] is not None:
         ks = kf - cal["mu_k"]
@@ -272,16 +351,28 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
     ke = _expand(k_eff.to(dtype), heads)
     bias = None
     if cfg["q"] is not None:
-        mu = qf.mean(dim=0) if cfg["q"] == "q8s" and q.shape[0] > 0 else torch.zeros_like(qf[0])
+        smooth = cfg["q"] in ("q8s", "qi8s")
+        quant = I8.quantize_q_per_tile if cfg["q"].startswith("qi") else quantize_per_tile
+        mu = qf.mean(dim=0) if smooth and q.shape[0] > 0 else torch.zeros_like(qf[0])
         q_eff = torch.empty_like(qf, dtype=dtype)
         for h in range(heads):
-            q8, scale = quantize_per_tile(qf[:, h] - mu[h], Q_TILE)
+            q8, scale = quant(qf[:, h] - mu[h], Q_TILE)
             q_eff[:, h] = q8.to(dtype) * scale.repeat_interleave(Q_TILE)[: q.shape[0]].unsqueeze(-1).to(dtype)
-        if cfg["q"] == "q8s":
+        if smooth:
             bias = torch.einsum("hd,khd->hk", mu.to(dtype), ke)
     else:
         q_eff = qf.to(dtype)
-    if cfg["v"]:
+    if cfg.get("corr"):
+        if cfg["eq"] or cfg["sink"]:
+            raise ValueError(f"{cfg['name']}: the stored correction ~c is defined without eq / sink pages")
+        key = "mu_q" if cfg["corr"] == "all" else "mu_q_first"
+        if key not in cal:
+            raise ValueError(f"{cfg['name']}: the calibration has no mu_Q (calibrate(..., q_ctx=queries))")
+        corr = stored_correction(cal[key], ks, k_eff, K_SCALE_TARGET.get(cfg["k"], I8.I4RS_TARGET)).to(dtype)
+        bias = corr if bias is None else bias + corr
+    if cfg["v"] == "t8":
+        v_eff = quantize_e4m3(v.float(), 1.0).float()
+    elif cfg["v"]:
         v_eff = quantize_e4m3(v.float(), cal["v_scale"]).float() * cal["v_scale"]
     else:
         v_eff = v.float()
@@ -319,13 +410,44 @@ def budget(inputs, configs=ALL_CONFIGS, *, contexts=None, n_cal: int = N_CAL, sm
     cfgs = [parse(c) if isinstance(c, str) else c for c in configs]
     acc = {c["name"]: ErrorAccumulator() for c in cfgs}
     for (q, k, v), ref in zip(inputs, refs):
-        cals = {mu: calibrate(k, v, mu, n_cal) for mu in ("none", "first", "all")}
+        cals = {mu: calibrate(k, v, mu, n_cal, q_ctx=q) for mu in ("none", "first", "all")}
         for c in cfgs:
             o, _ = quantized_attention(q, k, v, c, sm_scale=sm_scale, cal=cals[c["mu"]])
             acc[c["name"]].add(o, ref)
     out = {}
     for name, a in acc.items():
         out[name] = {**a.result(), "per_layer_rel_l2": a.per_part}
+    return out
+
+
+def block_scale_stats(ks: list[torch.Tensor], mu: str = "all") -> list[dict]:
+    """Where i4rs's MSE block scale sits relative to the rounded-up one (ceil(amax / 7)), over the keys
+    ``ks`` (one ``[m, H_kv, D]`` per layer, smoothed with mu_K of ``mu``): the share of blocks per offset
+    b_mse - b_up (0, -1, ... -4, below -4, above 0) and the mean b. A narrow spread lets the append kernel
+    search a window below b_up instead of all 18 scales."""
+    out = []
+    for block in I8.I4RS_BLOCKS:
+        hist = torch.zeros(7, dtype=torch.float64)
+        b_sum = n = 0.0
+        for k in ks:
+            kf = k.float()
+            x = kf - (kf.mean(dim=0) if mu == "all" else 0.0)
+            d = x.shape[-1]
+            ts = amax_scale(x.abs().amax(dim=-1), I8.I4RS_TARGET).unsqueeze(-1)
+            y = (x * (1.0 / ts))[..., ~I8.rope_low_channels(d).to(x.device)]
+            y = y.reshape(*y.shape[:-1], y.shape[-1] // block, block)
+            b_m = I8.choose_block_scales(y, "mse")[0].long()
+            b_u = I8.choose_block_scales(y, "up")[0].long()
+            off = (b_m - b_u).flatten()
+            for i, j in enumerate(range(0, -5, -1)):
+                hist[i] += float((off == j).sum())
+            hist[5] += float((off < -4).sum())
+            hist[6] += float((off > 0).sum())
+            b_sum += float(b_m.sum())
+            n += off.numel()
+        share = (hist / max(n, 1)).tolist()
+        out.append({"block": block, "blocks": int(n), "mean_b": b_sum / max(n, 1),
+                    "share_offset": dict(zip(["0", "-1", "-2", "-3", "-4", "<-4", ">0"], share))})
     return out
 
 
@@ -428,7 +550,7 @@ def _budget_attention(module, query, key, value, attention_mask, scaling=None, d
     q = query[0].transpose(0, 1).to(torch.bfloat16)
     k = key[0].transpose(0, 1).to(torch.bfloat16)
     v = value[0].transpose(0, 1).to(torch.bfloat16)
-    o, _ = quantized_attention(q, k, v, cfg, sm_scale=scaling, cal=calibrate(k, v, cfg["mu"]), dtype=dtype)
+    o, _ = quantized_attention(q, k, v, cfg, sm_scale=scaling, cal=calibrate(k, v, cfg["mu"], q_ctx=q), dtype=dtype)
     return o.unsqueeze(0).to(query.dtype), None
 
 
@@ -441,6 +563,7 @@ def model_ppl(mdl, ids: torch.Tensor, configs, dtype=torch.float64) -> list[dict
     from transformers import AttentionInterface
     AttentionInterface.register("mpfa_budget", _budget_attention)
     rows, base = [], None
+    ids = ids.to(mdl.lm_head.weight.device)
     tgt = ids[1:]
     for name in configs:
         t0 = time.time()
@@ -478,13 +601,16 @@ def summarize(rows: list[dict]) -> dict:
     k = {r["id"]: r for r in rows if r.get("kind") == "kernel"}
     out = {}
     for key, r in k.items():
-        if r["source"] == "kjv-activations" and r["config"] in (IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
+        if r["source"].endswith("-activations") and r["config"] in (IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
                                                                  "q8s", "p8", "v8", IMPL8, "k4@all~s", "k4e@all~s",
-                                                                 "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8"):
+                                                                 "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8",
+                                                                 INT8_IMPL, I4RS_IMPL, PEER_FP8KV, "ki8@all",
+                                                                 "ki4@all", "ki4b8@all", "qi8s"):
             out[f"{r['context']}/{r['config']}"] = round(r["rel_l2"], 4)
     mod = [r for r in rows if r.get("kind") == "model"]
     if mod:
         out["model_ppl_increase"] = {r["config"]: round(r["ppl_increase"], 4) for r in mod}
+        out["model_kl"] = {r["config"]: round(r["kl"], 5) for r in mod}
     return {"rel_l2": out}
 
 
@@ -500,11 +626,17 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=ALL_CONFIGS)
     ap.add_argument("--out", type=Path, default=Path("/tmp/mpfa-error-budget"))
     ap.add_argument("--data-dir", type=Path, default=None)
+    ap.add_argument("--text", choices=["kjv", "stdlib"], default="kjv")
+    ap.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
     ap.add_argument("--capture-cache", type=Path, default=None, help="torch.save file of the captured Q/K/V")
     ap.add_argument("--model-dtype", choices=["float64", "float32"], default="float64",
                     help="precision of the model-level attention (scores, softmax, PV)")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--no-synthetic", action="store_true")
+    ap.add_argument("--no-diagnostics", action="store_true", help="skip the per-(layer, KV head) diag rows")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model (float32 weights, as on CPU) and the simulated attention run; the same "
+                         "numerics in float32/float64 on a GPU, only faster (the reductions' order differs)")
     argv_used = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv_used)
     from . import data, kernel
@@ -515,8 +647,9 @@ def main(argv=None) -> int:
     from benchmarks.meta import git_commit
     meta = {"suite": "error_budget", "command": "python -m benchmarks.accuracy.error_budget " + " ".join(argv_used),
             "commit": git_commit(), "torch": torch.__version__, "q_len": args.q_len, "q_tile": Q_TILE,
-            "model_tokens": args.model_tokens, "model_dtype": args.model_dtype,
-            "n_cal": N_CAL, "model": M.MODEL_NAME, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "model_tokens": args.model_tokens, "model_dtype": args.model_dtype, "text": args.text,
+            "skip_tokens": args.skip_tokens,
+            "n_cal": N_CAL, "model": M.MODEL_NAME, "device": args.device, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
     def add(source, ctx, qlen, shape, res):
         for name, r in res.items():
@@ -536,13 +669,14 @@ def main(argv=None) -> int:
         rows.append({"id": "kjv", "kind": "kernel", "status": "skipped", "reason": why})
         _log(f"real activations skipped: {why}")
     else:
-        mdl, tok = M.load("cpu")
-        text = data.text("kjv", args.data_dir) if args.data_dir else data.text("kjv")
+        mdl, tok = M.load(args.device, dtype=torch.float32)
+        text = data.text(args.text, args.data_dir) if args.data_dir else data.text(args.text)
         top = max(args.contexts + [args.model_tokens])
+        skip = args.skip_tokens
         if args.capture_cache and args.capture_cache.is_file():
             cap = torch.load(args.capture_cache)["cap"]
         else:
-            ids = _tokens(tok, text, top)
+            ids = _tokens(tok, text, skip + top)[skip:]
             cap = M.capture(mdl, ids)
             if args.capture_cache:
                 torch.save({"ids": ids, "cap": cap}, args.capture_cache)
@@ -550,15 +684,19 @@ def main(argv=None) -> int:
                  "layers": len(cap)}
         for ctx in args.contexts:
             t0 = time.time()
-            inputs = [(q[ctx - args.q_len:ctx], k[:ctx], v[:ctx]) for q, k, v in cap]
-            add("kjv-activations", ctx, args.q_len, shape, budget(inputs, args.configs))
-            _log(f"kjv {ctx}: {time.time() - t0:.1f}s")
-            for r in k_diagnostics(inputs):
+            inputs = [(q[ctx - args.q_len:ctx].to(args.device), k[:ctx].to(args.device), v[:ctx].to(args.device))
+                      for q, k, v in cap]
+            add(f"{args.text}-activations", ctx, args.q_len, shape, budget(inputs, args.configs))
+            for r in block_scale_stats([k for _, k, _ in inputs]):
+                rows.append({"id": f"blocks/{args.text}/{ctx}/{r['block']}", "kind": "i4rs_blocks", "context": ctx, **r})
+            _log(f"{args.text} {ctx}: {time.time() - t0:.1f}s")
+            for r in ([] if args.no_diagnostics else k_diagnostics(inputs)):
                 rows.append({"id": f"diag/{ctx}/{r['layer']}/{r['kv_head']}", "kind": "diag", "context": ctx, **r})
         if not args.no_model:
-            ids = _tokens(tok, text, args.model_tokens)
+            ids = _tokens(tok, text, skip + args.model_tokens)[skip:]
             for r in model_ppl(mdl, ids, args.model_configs, getattr(torch, args.model_dtype)):
-                rows.append({"id": f"model/kjv/{args.model_tokens}/{r['config']}", "kind": "model", "text": "kjv", **r})
+                rows.append({"id": f"model/{args.text}/{args.model_tokens}/{r['config']}", "kind": "model",
+                             "text": args.text, "skip_tokens": skip, **r})
     from benchmarks.results_io import write
     path = write("error_budget", meta, summarize(rows), rows, args.out)
     _log(f"wrote {path}")

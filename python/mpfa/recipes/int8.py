@@ -1,0 +1,254 @@
+"""8-bit integer QK: INT8 Q per tile, INT8 K per token, and ``i4rs`` K (half INT8, half INT4 with
+integer block scales). The references of issue 20's recipes; the kernels and the cache tables do not
+use them yet (:mod:`.recipe` still describes the FP8 formats).
+
+Every function here is a reference the kernels must reproduce byte for byte. Scales are float32 and
+*multiply* the stored integer back (``x ~= q * scale``), as in :mod:`.fp8`. The operations, in the
+order a kernel performs them:
+
+* ``scale = amax / target`` (one float32 division; an all-zero group gets scale 1), ``inv = 1 / scale``
+  (one correctly rounded reciprocal per scale), ``y = x * inv`` (one float32 multiply per element).
+* ``q = rni(y)``: round to nearest, ties to even (``cvt.rni.s32.f32``; ``torch.round``), then clamp
+  to ``[-target_int, target_int]``. Since ``|y| <= target * (1 + 2**-22)`` the clamp only guards
+  against that last ulp; INT8 values are symmetric (``-128`` is never stored).
+* Non-finite input (NaN, inf) has no INT8 encoding; its bytes are unspecified here. Marking such a row
+  (a NaN scale, as the FP8 path's ``row_scale`` does) is the kernels session's, together with the kernels.
+
+INT8 Q (:func:`quantize_q_per_tile`): one scale per 128 query rows and head, amax -> 127, on Q after
+smoothing (Q - mu_Q; the caller subtracts mu_Q and adds the rank-one compensation mu_Q . K, see
+:mod:`.smoothing`). The scale multiplies every score of the tile, so it rides the score FMA.
+
+INT8 K (:func:`quantize_k_per_token`): one float32 scale per (token, KV head), amax -> 127, on K after
+smoothing (K - mu_K). Cache row: ``int8 [D]`` then ``float32`` scale: ``D + 4`` bytes.
+
+``i4rs`` K (:func:`quantize_i4rs`): ONE float32 scale per row, the row amax -> :data:`I4RS_TARGET`
+(126 = 7 * 18, the largest value ``b * q`` reaches, so the row's largest element is representable
+whichever half it sits in). The low-frequency RoPE half of the channels (:func:`.fp4.rope_low_channels`)
+is stored as INT8 ``rni(y)``; the other half in blocks of ``block`` (16 or 8) channels as INT4
+``q in [-7, 7]`` with an integer block scale ``b in 1..18``, so every ``b * q`` is an INT8 value
+(``|b * q| <= 126``) and the whole row is one INT8 MMA operand with one per-key scale
+(:func:`i4rs_to_int8`). Block scale choice, per block (``y`` the block's scaled values):
+
+    for b = 1 .. 18:  q_b = clamp(rni(y * RCP[b]), -7, 7)          RCP[b] = float32(1 / b)
+                      e_b = halving-tree sum of (y - b * q_b)**2     float32
+    b* = the first b (smallest) with the least e_b
+
+``y - b * q_b`` is exact in float32 (``|y - b q| <= |y|`` whenever ``q != 0``), the squares and the
+sum are float32 in a fixed order: ``s = d2[:n/2] + d2[n/2:]`` repeated until one value remains (the
+order of a warp's ``shfl_xor`` reduction with offsets n/2, ..., 1, or of a thread's registers paired
+the same way), so a kernel gets the same b*. ``b*`` always has an error no larger than the
+rounded-up scale ``ceil(amax_block / 7)`` (which is a candidate).
+
+Byte layout of an ``i4rs`` row (one token, one KV head), in this order:
+
+============  ============================  ================================================
+field         bytes                         contents
+============  ============================  ================================================
+``k8``        D/2                           int8 of the low-frequency channels, channel order
+``k4``        D/4                           the INT4 half in channel order, two per byte:
+                                            element 2i in the low nibble, 2i+1 in the high one;
+                                            a nibble is q's 4-bit two's complement (0x8 unused)
+``k4_scale``  D/32 (16-ch) or D/16 (8-ch)   uint8 block scales 1..18, block order
+``k_scale``   4                             float32 token scale, little-endian
+============  ============================  ================================================
+
+The cache pads ``k4_scale`` to a multiple of 4 bytes (``cp.async`` copies 4 bytes or more; head_dim
+64 with 16-channel blocks: 2 -> 4), as :class:`.recipe.Field` does for ``D/32``.
+
+Issue 20's study (docs/accuracy.md, "8-bit integer QK") chose 16-channel blocks, the full 18-candidate
+search and the target 126 for the recipe, and no stored per-key correction.
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp4 import rope_low_channels
+from .fp8 import amax_scale
+
+INT8_MAX = 127
+INT4_MAX = 7
+BLOCK_SCALE_MAX = 18                 # 7 * 18 = 126 <= 127: every b * q is an INT8 value
+I4RS_TARGET = INT4_MAX * BLOCK_SCALE_MAX
+Q_TILE = 128
+I4RS_BLOCKS = (16, 8)
+# float32(1 / b) for b = 0 .. 18 (index 0 unused): the kernel's constant table
+RCP = torch.tensor([0.0] + [1.0 / b for b in range(1, BLOCK_SCALE_MAX + 1)], dtype=torch.float32)
+
+
+def rni(y: torch.Tensor) -> torch.Tensor:
+    """Round to nearest integer, ties to even (``cvt.rni``), as float32."""
+    return torch.round(y)
+
+
+def quantize_int(x: torch.Tensor, scale: torch.Tensor | float, qmax: int = INT8_MAX) -> torch.Tensor:
+    """``clamp(rni(x * (1 / scale)), -qmax, qmax)`` as int8 (one reciprocal per scale, a multiply per element)."""
+    s = scale.float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
+    inv = 1.0 / s.to(x.device)
+    return rni(x.float() * inv).clamp(-qmax, qmax).to(torch.int8)
+
+
+def dequantize_int(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    return q.float() * scale
+
+
+def quantize_q_per_tile(x: torch.Tensor, tile_rows: int = Q_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 Q of one head ``[rows, D]`` (already smoothed), one scale per ``tile_rows`` rows (amax -> 127;
+    the last tile may be partial). Returns ``(int8 [rows, D], scale float32 [tiles])``."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, head_dim] (one head), got shape {tuple(x.shape)}")
+    rows = x.shape[0]
+    n_tiles = (rows + tile_rows - 1) // tile_rows
+    amax = torch.stack([x[i * tile_rows:(i + 1) * tile_rows].float().abs().amax() for i in range(n_tiles)]) \
+        if n_tiles else x.new_zeros((0,), dtype=torch.float32)
+    scale = amax_scale(amax, INT8_MAX)
+    per_row = scale.repeat_interleave(tile_rows)[:rows].unsqueeze(-1)
+    return quantize_int(x, per_row), scale
+
+
+def dequantize_q_per_tile(q: torch.Tensor, scale: torch.Tensor, tile_rows: int = Q_TILE) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(tile_rows)[: q.shape[0]].unsqueeze(-1)
+
+
+def quantize_k_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 K: rows ``x[..., D]`` (already smoothed), one scale per row (amax -> 127).
+    Returns ``(int8 [..., D], scale float32 [...])``."""
+    scale = amax_scale(x.float().abs().amax(dim=-1), INT8_MAX)
+    return quantize_int(x, scale.unsqueeze(-1)), scale
+
+
+def dequantize_k_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# i4rs
+
+def _halving_sum(d2: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension (a power of two) as ``d2[:n/2] + d2[n/2:]``, repeated: the fixed
+    float32 order of the block-scale search."""
+    while d2.shape[-1] > 1:
+        h = d2.shape[-1] // 2
+        d2 = d2[..., :h] + d2[..., h:]
+    return d2[..., 0]
+
+
+def choose_block_scales(blocks: torch.Tensor, rule: str = "mse",
+                        window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scales and INT4 values of scaled blocks ``y [..., n_blocks, block]`` (float32).
+
+    ``rule``: ``mse`` (the format: the smallest b in 1..18 with the least float32 squared error) or
+    ``up`` (the rounded-up ``b_up = clamp(ceil(amax / 7), 1, 18)``: no clipping, the comparison baseline).
+    ``window=(lo, hi)`` restricts the MSE search to ``b_up - lo .. b_up + hi`` (a cheaper append kernel:
+    on SmolLM2's keys ``(2, 1)``, 4 candidates, ends within 0.5% of the full search's squared error and
+    rounding up alone 18% above it; benchmarks/NOTES.md 2026-12-01). None: all 18 (the format).
+    Returns ``(b uint8 [..., n_blocks], q int8 [..., n_blocks, block])``."""
+    y = blocks.float()
+    b_up = torch.ceil(y.abs().amax(dim=-1) / INT4_MAX).clamp(1, BLOCK_SCALE_MAX)
+    if rule == "up":
+        q = rni(y * RCP.to(y.device)[b_up.long()].unsqueeze(-1)).clamp(-INT4_MAX, INT4_MAX)
+        return b_up.to(torch.uint8), q.to(torch.int8)
+    if rule != "mse":
+        raise ValueError(f"rule must be 'mse' or 'up', got {rule!r}")
+    best_e = best_b = best_q = None
+    for b in range(1, BLOCK_SCALE_MAX + 1):
+        q = rni(y * RCP[b]).clamp(-INT4_MAX, INT4_MAX)
+        d = y - b * q                                      # exact in float32
+        e = _halving_sum(d * d)
+        if window is not None:                             # outside the window: never taken
+            out = (b < b_up - window[0]) | (b > b_up + window[1])
+            e = torch.where(out, torch.full_like(e, float("inf")), e)
+        if best_e is None:
+            best_e, best_q = e, q
+            best_b = torch.ones_like(e, dtype=torch.uint8)
+        else:
+            take = e < best_e                              # strict: ties keep the smaller b
+            best_e = torch.where(take, e, best_e)
+            best_b = torch.where(take, torch.full_like(best_b, b), best_b)
+            best_q = torch.where(take.unsqueeze(-1), q, best_q)
+    return best_b, best_q.to(torch.int8)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """INT4 values ``[..., n]`` (n even, in [-7, 7]) -> bytes ``[..., n/2]``: element 2i low nibble,
+    2i+1 high nibble, each q's 4-bit two's complement."""
+    nib = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    lo, hi = (packed & 0xF).to(torch.int16), (packed >> 4).to(torch.int16)
+    nib = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return ((nib ^ 8) - 8).to(torch.int8)                  # sign-extend the nibble
+
+
+def quantize_i4rs(x: torch.Tensor, *, block: int = 16, target: float = I4RS_TARGET, rule: str = "mse",
+                  window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``i4rs`` K of rows ``x[..., D]`` (already smoothed; D a multiple of 4 * block).
+
+    ``target``: the value the row amax maps to (126, the format; 127 makes the block scale of a row-max
+    block clip it at 126). ``rule``, ``window``: the block-scale search of :func:`choose_block_scales`.
+    Returns ``(k8 int8 [..., D/2], k4 uint8 [..., D/4], k4_scale uint8 [..., D/(2*block)],
+    k_scale float32 [...])``: the fields of the cache row (module docstring), without padding."""
+    d = x.shape[-1]
+    if block not in I4RS_BLOCKS:
+        raise ValueError(f"block must be one of {I4RS_BLOCKS}, got {block}")
+    if d % (4 * block):
+        raise ValueError(f"head_dim must be a multiple of {4 * block} for i4rs with {block}-channel blocks, got {d}")
+    x = x.float()
+    low = rope_low_channels(d).to(x.device)
+    k_scale = amax_scale(x.abs().amax(dim=-1), target)
+    inv = 1.0 / k_scale.unsqueeze(-1)
+    y = x * inv
+    k8 = rni(y[..., low]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    hi = y[..., ~low]
+    b, q = choose_block_scales(hi.reshape(*hi.shape[:-1], hi.shape[-1] // block, block), rule, window)
+    return k8, pack_int4(q.reshape(hi.shape)), b, k_scale
+
+
+def i4rs_to_int8(k8: torch.Tensor, k4: torch.Tensor, k4_scale: torch.Tensor) -> torch.Tensor:
+    """The INT8 K row the QK MMA consumes, in channel order: ``k8`` on the low-frequency channels,
+    ``b * q`` (an INT8 value by construction) on the others."""
+    d = 2 * k8.shape[-1]
+    block = d // 2 // k4_scale.shape[-1]
+    low = rope_low_channels(d).to(k8.device)
+    out = torch.empty(*k8.shape[:-1], d, dtype=torch.int16, device=k8.device)
+    out[..., low] = k8.to(torch.int16)
+    out[..., ~low] = unpack_int4(k4).to(torch.int16) * k4_scale.to(torch.int16).repeat_interleave(block, dim=-1)
+    return out.to(torch.int8)
+
+
+def dequantize_i4rs(k8: torch.Tensor, k4: torch.Tensor, k4_scale: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    return i4rs_to_int8(k8, k4, k4_scale).float() * k_scale.float().unsqueeze(-1)
+
+
+def i4rs_row_bytes(k8: torch.Tensor, k4: torch.Tensor, k4_scale: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """The stored bytes of each row, ``uint8 [..., bytes]``, in the order of the module docstring
+    (block scales padded with zeros to a multiple of 4 bytes; float32 little-endian)."""
+    pad = (-k4_scale.shape[-1]) % 4
+    bs = torch.cat([k4_scale, k4_scale.new_zeros(*k4_scale.shape[:-1], pad)], dim=-1) if pad else k4_scale
+    ts = k_scale.float().contiguous().unsqueeze(-1).view(torch.uint8)
+    return torch.cat([k8.view(torch.uint8), k4, bs, ts], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes
+
+def k_bytes_per_token_head(k_format: str, head_dim: int) -> int:
+    """Bytes of K (values, block scales padded to 4, token scale) per token and KV head.
+
+    ``k_format``: ``int8`` (per token) | ``i4rs`` (16-channel blocks) | ``i4rs8`` (8-channel blocks)."""
+    if k_format == "int8":
+        return head_dim + 4
+    blocks = {"i4rs": 16, "i4rs8": 8}.get(k_format)
+    if blocks is None:
+        raise ValueError(f"k_format must be 'int8', 'i4rs' or 'i4rs8', got {k_format!r}")
+    if head_dim % (4 * blocks):
+        raise ValueError(f"head_dim must be a multiple of {4 * blocks} for {k_format}, got {head_dim}")
+    n_scales = head_dim // (2 * blocks)
+    return head_dim // 2 + head_dim // 4 + n_scales + (-n_scales) % 4 + 4
+
+
+def bytes_per_token_head(k_format: str, head_dim: int) -> int:
+    """K (:func:`k_bytes_per_token_head`) plus FP8 V (``head_dim`` bytes) per token and KV head: the
+    cache row of the recipe that pairs this K with today's V."""
+    return k_bytes_per_token_head(k_format, head_dim) + head_dim
