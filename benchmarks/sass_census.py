@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -47,18 +48,26 @@ def _specs(ops):
     return [getattr(op_modules, op).spec(**params, arch=arch) for op in ops for params in _default_params(op)]
 
 
+def tool_env() -> tuple[str, dict]:
+    """(cuobjdump, an environment with nvdisasm on PATH): --dump-sass runs nvdisasm."""
+    from mpfa_jit import env
+    cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        raise FileNotFoundError("cuobjdump / nvdisasm not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm "
+                                "(the test extra)")
+    return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
+
+
 def census_of(library: str) -> dict:
     """{function: {instructions, registers, stack, local, spill_ops}} of one built library."""
-    from mpfa_jit import env
-    cuobjdump = env.cuda_tool("cuobjdump")
-    if cuobjdump is None:
-        sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (the test extra)")
-    res = subprocess.run([cuobjdump, "--dump-resource-usage", library], capture_output=True, text=True, check=True)
+    cuobjdump, tenv = tool_env()
+    res = subprocess.run([cuobjdump, "--dump-resource-usage", library], capture_output=True, text=True, check=True,
+                         env=tenv)
     out = {}
     for m in _RES.finditer(res.stdout):
         out[m.group(1)] = dict(registers=int(m.group(2)), stack=int(m.group(3)), local=int(m.group(5)),
                                instructions=0, spill_ops=0)
-    sass = subprocess.run([cuobjdump, "--dump-sass", library], capture_output=True, text=True, check=True)
+    sass = subprocess.run([cuobjdump, "--dump-sass", library], capture_output=True, text=True, check=True, env=tenv)
     func = None
     for line in sass.stdout.splitlines():
         fm = _FUNC.match(line)
@@ -91,7 +100,7 @@ def run(ops, jobs: int) -> dict:
     return result
 
 
-def _short_name(mangled: str) -> str:
+def short_name(mangled: str) -> str:
     """A kernel's unqualified name: builds name the anonymous namespace after a per-build hash, and a refactor
     may move a kernel into a named namespace or change its parameter types, so functions match by this."""
     try:
@@ -117,8 +126,8 @@ def compare(before: dict, after: dict, tolerance: float = 0.01) -> int:
             bad += 1
             continue
         b_funcs, a_funcs = before[key], after[key]
-        bmap = {_short_name(f): v for f, v in b_funcs.items()}
-        amap = {_short_name(f): v for f, v in a_funcs.items()}
+        bmap = {short_name(f): v for f, v in b_funcs.items()}
+        amap = {short_name(f): v for f, v in a_funcs.items()}
         for f in sorted(set(bmap) | set(amap)):
             b, a = bmap.get(f), amap.get(f)
             if b is None or a is None:

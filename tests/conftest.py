@@ -63,3 +63,11 @@ def sass_tools():
     if not cuobjdump or not nvdisasm:
         pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
     return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
+
+
+@pytest.fixture
+def kernel_resources(sass_tools):
+    """kernel_resources(library) -> {kernel name: {registers, stack, local, instructions, spill_ops}} of a built
+    library (benchmarks.sass_census, the census the kernel changes are compared with)."""
+    from benchmarks.sass_census import census_of, short_name
+    return lambda library: {short_name(f): v for f, v in census_of(str(library)).items()}

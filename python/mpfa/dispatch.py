@@ -45,6 +45,14 @@ def data_ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def bind_cache_layer(params, kv) -> None:
+    """Point an attention kernel's params struct at a cache layer's fields (the decode and prefill structs name
+    them alike; null where the recipe has no such field)."""
+    f = kv.fields
+    params.k, params.k8, params.k_block_scale = f["k"].data_ptr(), data_ptr(f.get("k8")), data_ptr(f.get("k_block_scale"))
+    params.k_scale, params.v, params.v_scale = data_ptr(f.get("k_scale")), f["v"].data_ptr(), data_ptr(kv.v_scale)
+
+
 def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 

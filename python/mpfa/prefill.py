@@ -25,7 +25,8 @@ import torch
 from mpfa_jit import get_kernel
 from mpfa_jit.ops import prefill as prefill_op
 
-from .dispatch import data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve, with_reference_hint
+from .dispatch import (bind_cache_layer, data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve,
+                       with_reference_hint)
 from .paged_plan import PagedBatch, check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
 from .recipes import Recipe
 from .validation import check_sm_scale, check_tensor, check_workspace, check_workspace_tensor
@@ -250,10 +251,9 @@ class BatchPrefillWrapper:
     def _run_kernel(self, q, kv, out, return_lse):
         k = self._plan.kernel
         out, lse = kernel_outputs(q, out, return_lse)
-        f, a = kv.fields, k.params
+        a = k.params
         a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
-        a.k, a.k8, a.k_block_scale = f["k"].data_ptr(), _ptr(f.get("k8")), _ptr(f.get("k_block_scale"))
-        a.k_scale, a.v, a.v_scale = _ptr(f.get("k_scale")), f["v"].data_ptr(), _ptr(kv.v_scale)
+        bind_cache_layer(a, kv)
         a.out, a.out_stride_t, a.out_stride_h, a.lse = out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse)
         k.fn(ctypes.byref(a), k.device_index, torch.cuda.current_stream(q.device).cuda_stream)
         return (out, lse) if return_lse else out

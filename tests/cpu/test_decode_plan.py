@@ -160,17 +160,14 @@ def test_decode_template_compiles(recipe, head_dim, page_size, group, jit_cache)
 
 
 @pytest.mark.nvcc
-def test_decode_sass_has_mma_and_no_spills(jit_cache, sass_tools):
+def test_decode_sass_has_mma_and_no_spills(jit_cache, sass_tools, kernel_resources):
     cuobjdump, tool_env = sass_tools
     spec = decode_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, group_size=4, arch=ARCH)
     uri, _, _ = mpfa_jit.build_only(spec)
     lib = str(mpfa_jit.Store(jit_cache).library(uri))
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
-                           env=tool_env).stdout
-    decode_usage = usage[usage.index("decode_kernel"):]
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", decode_usage)
-    assert m and m.group(2) == "0" and m.group(3) == "0", decode_usage[:300]
-    assert int(m.group(1)) <= 128      # __launch_bounds__(128, 4): four CTAs per SM
+    res = kernel_resources(lib)["decode_kernel"]
+    assert res["stack"] == 0 and res["local"] == 0 and res["spill_ops"] == 0, res
+    assert res["registers"] <= 128      # __launch_bounds__(128, 4): four CTAs per SM
     sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
     assert sass.returncode == 0, sass.stderr
     assert "HMMA.16816.F32" in sass.stdout                        # tensor-core mma.sync, fp32 accumulate

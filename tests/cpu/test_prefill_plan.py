@@ -131,18 +131,16 @@ def test_plan_on_cpu_needs_reference_backend():
 @pytest.mark.parametrize("recipe,head_dim,page_size,mma", [
     ("qk4pv8", 128, 16, "QGMMA.64x128x32.F32.E4M3.E4M3"), ("qk8pv8", 128, 1, "QGMMA.64x128x32.F32.E4M3.E4M3"),
     ("bf16", 128, 64, "HGMMA.64x128x16.F32.BF16"), ("qk4pv8", 64, 32, "QGMMA.64x128x32.F32.E4M3.E4M3")])
-def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache, sass_tools):
+def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache, sass_tools,
+                                                 kernel_resources):
     cuobjdump, tool_env = sass_tools
     spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=ARCH)
     uri, built, _ = mpfa_jit.build_only(spec)
     assert built and mpfa_jit.Store(jit_cache).check(uri) == "ok"
     lib = str(mpfa_jit.Store(jit_cache).library(uri))
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
-                           env=tool_env).stdout
+    res = kernel_resources(lib)
     for fn in ("prefill_kernel", "kv_pack_kernel", "q_mean_kernel"):
-        part = usage[usage.index(fn):]
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", part)
-        assert m and m.group(2) == "0" and m.group(3) == "0", part[:300]
+        assert res[fn]["stack"] == 0 and res[fn]["local"] == 0 and res[fn]["spill_ops"] == 0, (fn, res[fn])
     check_params(ctypes.CDLL(lib), prefill_op.PARAMS_LAYOUT_SYMBOL, prefill_op.PrefillParams, spec.key)
     sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
     assert sass.returncode == 0, sass.stderr
@@ -176,17 +174,13 @@ def test_library_params_layout_matches_the_mirror(jit_cache):
 @pytest.mark.nvcc
 @pytest.mark.parametrize("knobs", [dict(persistent=1, poly_every=4, fac_vec=0), dict(pingpong=0, stages=4),
                                    dict(stages=2, poly_every=16)])
-def test_study_knob_builds_compile_without_spills(knobs, jit_cache, sass_tools):
-    cuobjdump, tool_env = sass_tools
+def test_study_knob_builds_compile_without_spills(knobs, jit_cache, kernel_resources):
     spec = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=knobs)
     assert all(f"{k}-{v}" in spec.key for k, v in knobs.items())
     uri, built, _ = mpfa_jit.build_only(spec)
     lib = str(mpfa_jit.Store(jit_cache).library(uri))
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", lib], capture_output=True, text=True,
-                           env=tool_env).stdout
-    part = usage[usage.index("prefill_kernel"):]
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", part)
-    assert m and m.group(2) == "0" and m.group(3) == "0", part[:300]
+    res = kernel_resources(lib)["prefill_kernel"]
+    assert res["stack"] == 0 and res["local"] == 0 and res["spill_ops"] == 0, res
 
 
 def test_prefill_variant_knobs_parse_and_render():

@@ -72,7 +72,7 @@ def test_every_sglang_name_is_recorded_for_both_versions():
 
 
 def test_registration_names_are_the_design_ones():
-    # DESIGN.md section 6: only these names are needed to register (0.5.23 still exports them).
+    # SGLang registers a plugin through these two names alone (docs/sglang.md); 0.5.23 still exports them.
     plugin = _plugin_source()
     assert ("sglang.srt.server_args", "add_attention_backend_choices") in plugin.SGLANG_NAMES
     assert ("sglang.srt.layers.attention.attention_registry", "register_attention_backend") in plugin.SGLANG_NAMES
