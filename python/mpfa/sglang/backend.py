@@ -148,6 +148,8 @@ class MpfaAttnBackend(AttentionBackend):
                                      fixed_split_size=split_size)
             self._active = self.decode_wrapper
         else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
+            if not torch.cuda.is_current_stream_capturing():
+                self.pool.report_out_of_range_slots()   # the prefill plan below syncs anyway
             bs = forward_batch.batch_size
             lens = forward_batch.extend_seq_lens_cpu
             qo = torch.zeros(bs + 1, dtype=torch.int32)

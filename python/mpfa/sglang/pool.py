@@ -55,6 +55,17 @@ class MpfaTokenToKVPool(KVCache):
     def layer_view(self, layer_id: int):
         return self.layers[self.local_index(layer_id)]
 
+    def report_out_of_range_slots(self) -> int:
+        """Log (and reset) the append kernel's count of slots past this pool since the last report: their rows
+        were skipped, so no other request's K/V was touched, but the requests that owned them lack those rows.
+        Reads a device counter (a sync): the backend calls it where extend planning syncs anyway."""
+        try:
+            self.cache.check_append_slots()
+        except ValueError as e:
+            logger.error("mpfa: %s; SGLang gave the KV pool slots past its %d tokens", e, self.cache.num_slots)
+            return 1
+        return 0
+
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, *, calibrate: bool) -> None:
         """Quantize and write ``k, v [tokens, heads, head_dim]`` (bf16) at slots ``loc``. With ``calibrate``
         (extend batches), a layer's first call fixes its mu_K and V channel scales from this batch
