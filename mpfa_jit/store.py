@@ -309,8 +309,8 @@ class Store:
         return _tree_bytes(self.root)
 
     def clear(self) -> Cleared:
-        """Delete every build the cache recognises (published, in progress of a dead builder, failed), its
-        locks and logs; keeps the marker, the sub-folders, anything unrecognised, and the files of a key
+        """Delete every build the cache recognises (published, in progress of a dead builder, failed) and
+        its logs; keeps the marker, the (empty) lock files, the sub-folders, anything unrecognised, and the files of a key
         whose build is running (skipped, named in ``busy``). NotACacheError for a folder that is not a cache."""
         done = Cleared()
         if not self.require_cache("deleting nothing"):
@@ -349,9 +349,8 @@ class Store:
                 for path in paths:
                     done.freed += _remove(path)
                     done.removed += 1
-                # Unlinked while held: a process waiting on it gets the lock on the old file while a new
-                # one creates another, so two may build this key; _publish keeps the first and drops the second.
-                (self.root / "locks" / f"{uri}.lock").unlink(missing_ok=True)
+                # Lock files stay (empty): unlinking a held lock lets a process waiting on the old file and a
+                # new one on a fresh file build the key at once, and each sweeps the other's tmp folder.
             finally:
                 lock.release()
         for name in _FILES:

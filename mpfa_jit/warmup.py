@@ -35,6 +35,7 @@ from mpfa.sglang.settings import (ENV_CONFIG, ENV_PAGE_SIZE, ENV_RECIPE, PAGE_SI
 
 from . import build_only, env
 from .errors import MpfaJitError
+from .store import Store
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -61,7 +62,8 @@ class _BarHandler(logging.Handler):
 
     def emit(self, record):
         try:
-            self.bar.write(self.format(record), file=self.bar.fp)
+            # a disabled bar (--no-progress) never sets .fp: its records go to stderr as plain lines
+            self.bar.write(self.format(record), file=getattr(self.bar, "fp", None) or sys.stderr)
         except Exception:
             self.handleError(record)
 
@@ -222,6 +224,7 @@ def _main(argv) -> int:
         arch = a.arch or default_arch()
         specs = kernel_specs(settings, facts, arch)   # checks the arch
         env.nvcc_path()
+        Store().ensure()   # an MPFA_CACHE_DIR that is not a cache is refused here, once, not per kernel
     except (MpfaConfigError, UnsupportedModelError, MpfaJitError, ValueError) as e:
         print(f"mpfa warmup: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -131,6 +131,15 @@ class PagedKVCache:
 
     __getitem__ = layer
 
+    def take_out_of_range_slots(self) -> int:
+        """The append kernel's count of skipped out-of-range slots since the last call, reset to 0. Waits for
+        the current stream (reads a device counter); an append on another stream between the read and the
+        reset may be missed."""
+        n = int(self.out_of_range_slots.item())
+        if n:
+            self.out_of_range_slots.zero_()
+        return n
+
     def check_append_slots(self) -> None:
         """Raise ValueError if append_kv's CUDA kernel met slots at or past ``num_slots`` since the last
         check, and reset the count. Those rows were skipped: no other page, request or layer was written,
@@ -139,9 +148,8 @@ class PagedKVCache:
         The count lives on the device, so this waits for the current stream: call it where a
         synchronization is already paid or harmless (after a batch of steps, in a health check, in tests),
         not on every step of a CUDA-graph loop. The reference backend raises at the append itself."""
-        n = int(self.out_of_range_slots.item())
+        n = self.take_out_of_range_slots()
         if n:
-            self.out_of_range_slots.zero_()
             raise ValueError(f"append_kv was given {n} slot(s) outside [0, {self.num_slots}) (num_pages * page_size "
                              "of one layer; a negative slot is padding and writes nothing): those rows were skipped")
 

@@ -233,6 +233,16 @@ def test_failed_build_exits_1(tmp_path, clean_env, capsys):
     assert rc == 1
     assert "0 of 3 ready" in out and out.count("FAILED") == 3
     assert "fails on purpose" in err
+    # --no-progress: the build log lines arrive as plain lines, not as logging errors of a disabled bar
+    assert "mpfa_jit: building" in err and "Logging error" not in err and "Traceback" not in err
+
+
+def test_warmup_refuses_a_cache_dir_that_is_not_a_cache(tmp_path, clean_env, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    clean_env.setenv("MPFA_CACHE_DIR", str(tmp_path))
+    rc, out, err = _run(W.main, [str(DEFAULT), "--no-progress"], capsys)
+    assert rc == 2 and "is not an mpfa kernel cache" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.nvcc
@@ -275,3 +285,20 @@ def test_server_config_shapes():
     assert (facts["num_qo_heads"], facts["num_kv_heads"]) == (16, 4)
     with pytest.raises(MpfaConfigError):
         W.server_plan(W.parse_args(["--model-path", str(LLAMA)]), environ={})   # no page size anywhere
+
+
+@pytest.mark.parametrize("sglang,tp", [
+    ("{page-size: 16, tensor-parallel-size: 2}", 2),                            # SGLang's long spelling
+    ("{page-size: 16, tp-size: 4, dp-size: 2, enable-dp-attention: true}", 2),  # attention TP = tp / dp
+    ("{page-size: 16, tp-size: 4, dp-size: 2}", 4),                             # dp without dp-attention
+])
+def test_server_config_reads_the_attention_tp_size(sglang, tp, tmp_path):
+    """The heads a GPU serves follow SGLang's attention tensor-parallel size: warmup and the launcher must
+    split them the same way the server does."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {LLAMA}\nsglang: {sglang}\nmpfa: {{recipe: qk4pv8}}\n")
+    assert load_server_config(cfg).tp_size == tp
+    both = tmp_path / "both.yaml"
+    both.write_text(f"model: {LLAMA}\nsglang: {{page-size: 16, tp-size: 2, tensor-parallel-size: 2}}\n")
+    with pytest.raises(MpfaConfigError, match="one setting"):
+        load_server_config(both)

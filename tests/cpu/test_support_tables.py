@@ -11,16 +11,24 @@ from mpfa.recipes import RECIPES as RECIPE_TABLE
 from mpfa.sglang import model, settings
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import OPS, append_kv, decode, prefill
+from mpfa_jit.ops.layout import layout_context
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = "sm_90a"
 
 
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op.OP)
-def test_every_op_serves_the_recipes_mpfa_recipes_defines(op):
-    assert tuple(op.RECIPES) == tuple(RECIPE_TABLE)
-    assert list(op.RECIPES) == list(RECIPE_TABLE) and len(op.RECIPES) == len(RECIPE_TABLE)
-    assert all(r in op.RECIPES for r in RECIPE_TABLE) and "fp4" not in op.RECIPES
+@pytest.mark.parametrize("recipe", list(RECIPE_TABLE))
+def test_every_recipe_has_a_kernel_layout(recipe):
+    """A recipe added to mpfa.recipes must reach the kernels' mpfa::Recipe and the render context every op
+    passes: its enumerator exists in cache_layout.cuh and its Field table renders for every built head_dim."""
+    enum = (ROOT / "templates" / "include" / "mpfa" / "cache_layout.cuh").read_text()
+    declared = re.search(r"enum class Recipe : int \{([^}]*)\}", enum).group(1)
+    ctx = layout_context(recipe, 128)
+    assert re.search(rf"\b{ctx['recipe_enum']}\b", declared), (recipe, declared)
+    for op in OPS:
+        assert recipe in op.RECIPES
+        for d in op.HEAD_DIMS:
+            assert sum(n for _, n in layout_context(recipe, d)["cache_fields"]) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
 
 
 def test_the_cache_and_the_server_read_the_op_tables():

@@ -10,10 +10,11 @@ import torch
 
 import mpfa
 from mpfa.reference import attention, gather_pages
+from mpfa.recipes import RECIPES as RECIPE_TABLE
 
 pytestmark = [pytest.mark.gpu]
 
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+RECIPES = tuple(RECIPE_TABLE)   # every recipe mpfa defines
 WORKSPACE = 64 << 20
 
 
@@ -151,7 +152,7 @@ def test_fixed_split_size_is_batch_invariant(recipe, paged_batch, bf16_rows, sha
 def test_workspace_too_small_names_the_buffer(paged_batch, shared_jit_cache):
     gen = torch.Generator(device="cuda").manual_seed(5)
     batch = paged_batch("qk4pv8", 128, 16, 2, [4000, 4000], gen)
-    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    indptr, indices, last = batch.indptr, batch.indices, batch.last
     w = mpfa.BatchDecodeWrapper(torch.empty(1024, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match="workspace_buffer"):
         w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=8)

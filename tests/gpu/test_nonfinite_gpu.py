@@ -24,10 +24,11 @@ import torch
 
 import mpfa
 from mpfa.reference import gather_pages
+from mpfa.recipes import RECIPES as RECIPE_TABLE
 
 pytestmark = [pytest.mark.gpu]
 
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+RECIPES = tuple(RECIPE_TABLE)   # every recipe mpfa defines
 HEAD_DIMS = (64, 128)
 BAD = (math.nan, math.inf)
 PAGE_SIZE = 16

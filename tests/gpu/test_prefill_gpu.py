@@ -29,10 +29,11 @@ import torch
 import mpfa
 from mpfa.reference import gather_pages
 from mpfa.reference.attention import attention, recipe_attention
+from mpfa.recipes import RECIPES as RECIPE_TABLE
 
 pytestmark = [pytest.mark.gpu]
 
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+RECIPES = tuple(RECIPE_TABLE)   # every recipe mpfa defines
 WORKSPACE = 128 << 20
 
 

@@ -56,15 +56,15 @@ class MpfaTokenToKVPool(KVCache):
         return self.layers[self.local_index(layer_id)]
 
     def report_out_of_range_slots(self) -> int:
-        """Log (and reset) the append kernel's count of slots past this pool since the last report: their rows
-        were skipped, so no other request's K/V was touched, but the requests that owned them lack those rows.
-        Reads a device counter (a sync): the backend calls it where extend planning syncs anyway."""
-        try:
-            self.cache.check_append_slots()
-        except ValueError as e:
-            logger.error("mpfa: %s; SGLang gave the KV pool slots past its %d tokens", e, self.cache.num_slots)
-            return 1
-        return 0
+        """Log (and reset) the append kernel's count of slots past this pool since the last report, and return
+        it: those rows were skipped, so no other request's K/V was touched, but the requests that owned them
+        lack them. Reads a device counter (a sync): the backend calls it where extend planning syncs anyway,
+        so slots of decode-only steps are reported at the next extend batch."""
+        n = self.cache.take_out_of_range_slots()
+        if n:
+            logger.error("mpfa: append_kv skipped %d slot(s) at or past the KV pool's %d; SGLang handed the pool "
+                         "slots it does not have, and those tokens' K/V are missing", n, self.cache.num_slots)
+        return n
 
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, *, calibrate: bool) -> None:
         """Quantize and write ``k, v [tokens, heads, head_dim]`` (bf16) at slots ``loc``. With ``calibrate``

@@ -140,7 +140,12 @@ class ServerConfig:
 
     @property
     def tp_size(self) -> int:
-        return self.sglang.get("tp-size", 1)
+        """The attention tensor-parallel size, which splits the heads: tp-size, divided by dp-size when
+        enable-dp-attention is set (SGLang's attn_tp_size)."""
+        tp = self.sglang.get("tp-size", 1)
+        if self.sglang.get("enable-dp-attention"):
+            return max(1, tp // self.sglang.get("dp-size", 1))
+        return tp
 
 
 def _mapping(path: Path, name: str, value) -> dict:
@@ -174,8 +179,14 @@ def load_server_config(path: "str | Path") -> ServerConfig:
               for k, v in _mapping(path, "sglang", data.get("sglang")).items()}
     if "page-size" in sglang:
         sglang["page-size"] = parse_page_size(f"{path}: sglang.page-size", sglang["page-size"])
+    if "tensor-parallel-size" in sglang:   # SGLang's long spelling of --tp-size
+        if "tp-size" in sglang:
+            raise MpfaConfigError(f"{path}: sglang.tp-size and sglang.tensor-parallel-size are one setting: keep one")
+        sglang["tp-size"] = sglang.pop("tensor-parallel-size")
     if "tp-size" in sglang:
         sglang["tp-size"] = parse_positive_int(f"{path}: sglang.tp-size", sglang["tp-size"])
+    if "dp-size" in sglang:
+        sglang["dp-size"] = parse_positive_int(f"{path}: sglang.dp-size", sglang["dp-size"])
     section = _mapping(path, "mpfa", data.get("mpfa"))
     if "page_size" in section:
         raise MpfaConfigError(f"{path}: mpfa.page_size: state the page size once, as sglang.page-size (SGLang's "

@@ -10,23 +10,21 @@
 // struct differs (a field added on one side only, reordered, or of another width).
 #pragma once
 #include <cstddef>
-#include <cstdio>
 #include <string>
 #include "mpfa/common.cuh"
 
 #define MPFA_DECLARE_FIELD(type, name) type name;
-#define MPFA_DESCRIBE_FIELD(type, name)                                                   \
-  n += std::snprintf(buf + n, sizeof(buf) - n, " %s@%zu:%zu", #name, offsetof(Self, name), \
-                     sizeof(static_cast<Self*>(nullptr)->name));
+#define MPFA_DESCRIBE_FIELD(type, name)                                                            \
+  text += " " #name "@" + std::to_string(offsetof(Self, name)) + ":" +                             \
+          std::to_string(sizeof(static_cast<Self*>(nullptr)->name));
 
 #define MPFA_EXPORT_PARAMS_LAYOUT(symbol, S, LIST)                                  \
   MPFA_EXPORT const char* symbol() {                                                \
-    static const std::string text = [] {                                            \
+    static const std::string layout = [] {                                          \
       using Self = S;                                                               \
-      char buf[4096];                                                               \
-      int n = std::snprintf(buf, sizeof(buf), "%zu", sizeof(Self));                 \
+      std::string text = std::to_string(sizeof(Self));                              \
       LIST(MPFA_DESCRIBE_FIELD)                                                     \
-      return std::string(buf, n < int(sizeof(buf)) ? n : int(sizeof(buf)) - 1);    \
+      return text;                                                                  \
     }();                                                                            \
-    return text.c_str();                                                            \
+    return layout.c_str();                                                          \
   }

@@ -4,8 +4,8 @@
 //
 // Slots: slot s is token s % PageSize of page s / PageSize (cache_layout.cuh). A negative
 // slot is padding and writes nothing. A slot at or past num_slots would land in the next layer's pages or
-// past the cache: it writes nothing either, and head 0's row counts it in *bad_slots, which the host reads
-// when it chooses to (PagedKVCache.check_append_slots): a kernel in a CUDA graph cannot raise.
+// past the cache: it writes nothing either, and a pass of head 0's blocks over the slots counts it in
+// *bad_slots, which the host reads when it chooses to (PagedKVCache.check_append_slots): a kernel in a CUDA graph cannot raise.
 #pragma once
 #include <cuda_runtime.h>
 #include <cstdint>

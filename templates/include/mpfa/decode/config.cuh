@@ -4,6 +4,9 @@
 // cache's field widths).
 #pragma once
 #include "mpfa/cache_layout.cuh"
+#ifndef MPFA_DECODE_SPECIALIZATION
+#include "mpfa/decode/editor_defaults.cuh"
+#endif
 
 namespace {
 
@@ -14,7 +17,7 @@ constexpr bool kQuant = Layout::kQuantK;
 static_assert(Layout::kQuantK == Layout::kQuantV, "the fp16 path dequantizes K and V together");
 static_assert(kGroup >= 1 && kGroup <= 8, "group size (query heads per KV head) must be 1..8");
 static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
-static_assert(kTile % kPageSize == 0 || kPageSize == 64, "page size must divide the tile");
+static_assert(kTile % kPageSize == 0, "page size must divide the tile");
 
 // CTAs per SM the registers are capped for (__launch_bounds__): 4 (<= 128 registers) everywhere but
 // bf16 d128 (2: its K/V fragments are twice as wide, and 3 stages of 32 KB fill the SM anyway).

@@ -38,8 +38,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const Deco
   const int page_begin = range.page_begin, num_pages = range.num_pages, kv_len = range.kv_len;
   const int tile_begin = range.tile_begin, n_iter = range.n_iter;
   if (n_iter == 0 && split > 0) {
-    // Nothing to attend (a fixed split size leaves a CUDA graph's grid partly empty): the merge skips a
-    // split whose LSE is -inf without reading its O, so that is all this CTA writes.
+    // Nothing to attend (a fixed split size leaves a CUDA graph's grid partly empty): its O is never
+    // written, and the merge gives a split whose LSE is -inf weight 0 and drops its O by a select.
     if (tid < kGroup) p.lse_part[(int64_t(split) * batch + b) * (p.num_kv_heads * kGroup) + hq0 + tid] = -CUDART_INF_F;
     return;
   }
@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const Deco
       const int valid = tile_valid(tile_begin + it);
       if (valid < kTile) {
         // The last tile: V rows past the length must be exactly zero (P is 0 there, and 0 * NaN from a
-        // stale or poisoned byte would be NaN). Seen on the H200: relying on cp.async's zero-fill alone
-        // let poisoned tail bytes through in this kernel; plain stores make it explicit.
+        // stale or poisoned byte would be NaN); plain stores make that an invariant of this code rather
+        // than of how each copy path fills the tail (benchmarks/NOTES.md, decode v2).
         const uint32_t vt = mpfa::smem_u32(st) + kOffV;   // 32-bit shared address: no 64-bit pointer live
 #pragma unroll 1
         for (int o = valid * Layout::v_bytes + tid * 16; o < kTile * Layout::v_bytes; o += kThreads * 16)

@@ -9,7 +9,8 @@
 
 namespace {
 
-// streams' sums in order. A single group of lanes walking all the splits would wait on a chain of
+// One block per (request, query head); its 128 threads form S streams of kHeadDim / 4 lanes: stream k sums
+// splits k, k + S, ..., and stream 0 adds the other streams' sums in order. A single group of lanes walking all the splits would wait on a chain of
 // dependent loads (64 splits at 1 x 128K); S streams keep S times as many loads in flight. An empty split (LSE
 // -inf, its partial never written) has weight 0 and its partial is dropped by a select after the load.
 constexpr int kMergeThreadsPerRow = kHeadDim / 4;
