@@ -36,10 +36,6 @@ class AppendParams(ctypes.Structure):
     ]
 
 
-def supported(*, recipe: str, head_dim: int, page_size: int) -> bool:
-    return recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES
-
-
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str) -> KernelSpec:
     check("KV append", dict(recipe=recipe, head_dim=head_dim, page_size=page_size),
           dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES))

@@ -43,10 +43,6 @@ class DecodeParams(ctypes.Structure):
     ]
 
 
-def supported(*, recipe: str, head_dim: int, page_size: int, group_size: int) -> bool:
-    return recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES and group_size in GROUP_SIZES
-
-
 def spec(*, recipe: str, head_dim: int, page_size: int, group_size: int, arch: str) -> KernelSpec:
     check("decode", dict(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size),
           dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES, group_size=GROUP_SIZES))

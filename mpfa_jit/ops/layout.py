@@ -12,8 +12,9 @@ def cache_fields(recipe: str, head_dim: int) -> tuple[tuple[str, int], ...]:
 
 
 def recipe_enum(recipe: str) -> str:
-    """The ``mpfa::Recipe`` enumerator of a recipe name (templates/include/mpfa/cache_layout.cuh)."""
-    return {"bf16": "kBf16", "qk8pv8": "kQk8pv8", "qk4pv8": "kQk4pv8"}[recipe]
+    """The ``mpfa::Recipe`` enumerator of a recipe name (templates/include/mpfa/cache_layout.cuh): ``k`` and the
+    capitalized name, so the enum needs no second list of the recipes (bf16 -> kBf16, qk4pv8 -> kQk4pv8)."""
+    return "k" + recipe[:1].upper() + recipe[1:]
 
 
 def layout_context(recipe: str, head_dim: int) -> dict:

@@ -63,10 +63,6 @@ def render_context(recipe: str, head_dim: int) -> dict:
                 k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"])
 
 
-def supported(*, recipe: str, head_dim: int, page_size: int, group_size: int = 1) -> bool:
-    return recipe in RECIPES and head_dim in HEAD_DIMS and page_size in PAGE_SIZES and group_size in GROUP_SIZES
-
-
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,
          knobs: dict | None = None) -> KernelSpec:
     """``group_size`` (num_qo_heads / num_kv_heads) is checked against the tested range, not part of the key.

@@ -242,9 +242,10 @@ class BatchDecodeWrapper:
         plan = DecodePlan(paged, num_qo_heads, num_kv_heads, head_dim, page_size, recipe_, sm_scale)
         if self.backend == "cuda":
             group = num_qo_heads // num_kv_heads
-            with_reference_hint(decode_op.spec, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
-                                group_size=group, arch=kernel_arch(paged_kv_indices.device))
             device = paged_kv_indices.device
+            # Loaded once per specialization (cached); an unbuilt shape raises here, before any other work.
+            launch = with_reference_hint(_kernel, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
+                                         group_size=group, arch=kernel_arch(device))
             dev_index = device_index(device)
             batch = paged.batch_size
             tiles_per_split = 0 if fixed_split_size is None else fixed_split_size // TILE
@@ -257,7 +258,6 @@ class BatchDecodeWrapper:
             need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
                             f"head_dim {head_dim}, {num_splits} KV splits")
-            launch = _kernel(recipe_.name, head_dim, page_size, group, kernel_arch(device))
             n_idx = paged_kv_indices.numel()
             buf = self._buffers
             if buf is None or not buf.fits(batch, n_idx, device):

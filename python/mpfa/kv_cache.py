@@ -35,14 +35,6 @@ _DTYPES = {"bfloat16": torch.bfloat16, "uint8": torch.uint8, "float32": torch.fl
 V_HEADROOM = 256.0
 
 
-def _check_finite_sample(name: str, sample: torch.Tensor, layer: int) -> None:
-    bad = int((~torch.isfinite(sample)).sum())
-    if bad:
-        raise ValueError(f"{name} (the {name.upper()} sample calibrating layer {layer}) holds {bad} non-finite "
-                         f"elements (NaN or inf) of {sample.numel()}: calibration fixes the layer's scales for the "
-                         "cache's life, so it takes only finite samples; pass rows without NaN or inf")
-
-
 class KVCacheLayer:
     """One layer's view of a :class:`PagedKVCache`: what the append, prefill and decode calls take."""
 
@@ -171,10 +163,12 @@ class PagedKVCache:
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 3 or t.shape[1:] != (self.num_kv_heads, self.head_dim) or t.shape[0] == 0:
                 raise ValueError(f"{name} must be [tokens > 0, {self.num_kv_heads}, {self.head_dim}], got {tuple(t.shape)}")
-            if nonfinite == "raise":
-                _check_finite_sample(name, t, idx)
-            else:
-                ignored += int((~torch.isfinite(t)).sum())
+            bad = int((~torch.isfinite(t)).sum())
+            if bad and nonfinite == "raise":
+                raise ValueError(f"{name} (the {name.upper()} sample calibrating layer {idx}) holds {bad} non-finite "
+                                 f"elements (NaN or inf) of {t.numel()}: calibration fixes the layer's scales for the "
+                                 "cache's life, so it takes only finite samples; pass rows without NaN or inf")
+            ignored += bad
         if self.mu_k is not None:
             if ignored:
                 kf = k.float()

@@ -104,8 +104,9 @@ def tile_schedule(qo_lens, kv_lengths, causal: bool) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(recipe: str, head_dim: int, page_size: int, arch: str):
-    spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch=arch)
+def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str):
+    """The library's entry point (``bind``); ``group_size`` is checked against the tested range, not built in."""
+    spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch)
     return bind(get_kernel(spec))
 
 
@@ -177,14 +178,15 @@ class BatchPrefillWrapper:
                            sm_scale=sm_scale, recipe=recipe_, compensation=compensation)
         if self.backend == "cuda":
             group = num_qo_heads // num_kv_heads
-            with_reference_hint(prefill_op.spec, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
-                                group_size=group, arch=kernel_arch(device))
-            plan.kernel = self._plan_kernel(qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads,
-                                            head_dim, page_size, causal, sm_scale, compensation)
+            # Loaded once per specialization (cached); an unbuilt shape raises here, before any other work.
+            fn = with_reference_hint(_kernel, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
+                                     group_size=group, arch=kernel_arch(device))
+            plan.kernel = self._plan_kernel(fn, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads,
+                                            head_dim, causal, sm_scale, compensation)
         self._plan = plan
 
-    def _plan_kernel(self, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads, head_dim, page_size,
-                     causal, sm_scale, compensation) -> KernelPlan:
+    def _plan_kernel(self, fn, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads, head_dim, causal,
+                     sm_scale, compensation) -> KernelPlan:
         dev_index = device_index(device)
         batch = paged.batch_size
         kv_lengths = paged.kv_lengths
@@ -196,7 +198,6 @@ class BatchPrefillWrapper:
         check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query / {num_kv_heads} "
                         f"KV heads, head_dim {head_dim}, {sum(kv_lengths)} KV tokens, recipe {recipe_.name}"
                         + (", compensation" if compensate else ""))
-        fn = _kernel(recipe_.name, head_dim, page_size, kernel_arch(device))
         tiles = tile_schedule(qo_lens, kv_lengths, causal)
         counts = kv_tiles(kv_lengths, recipe_.name)
         kv_tile_base, kvt_req, kvt_idx = [], [], []

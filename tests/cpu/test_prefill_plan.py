@@ -71,7 +71,8 @@ def test_specs_and_unsupported_shapes():
     with pytest.raises(UnknownKernelError, match="group_size=16"):
         prefill_op.server_specs(num_qo_heads=64, num_kv_heads=4, head_dim=128, recipe="qk4pv8", page_size=16, arch=ARCH)
     assert prefill_op in mpfa_jit.ops.OPS
-    assert not prefill_op.supported(recipe="bf16", head_dim=128, page_size=16, group_size=9)
+    with pytest.raises(UnknownKernelError, match="group_size=9"):
+        prefill_op.spec(recipe="bf16", head_dim=128, page_size=16, group_size=9, arch=ARCH)
 
 
 def test_render_substitutes_parameters():

@@ -79,7 +79,7 @@ class MpfaTokenToKVPool(KVCache):
             ignored = self.cache.calibrate(i, k, v, nonfinite="ignore")
             if ignored:
                 logger.warning("mpfa: layer %d's first batch held %d non-finite K/V elements; its fixed scales were "
-                            "calibrated from the finite ones", layer_id, ignored)
+                               "calibrated from the finite ones", layer_id, ignored)
             self.calibrated[i] = True
         append_kv(k, v, self.layers[i], loc if loc.dtype == torch.int64 else loc.long(), backend=self.kernel_backend)
 
