@@ -24,13 +24,9 @@ __device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
   return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
-// The scale that maps amax to target; an all-zero group keeps scale 1.
-__device__ __forceinline__ float amax_scale(float amax, float target) {
-  return amax > 0.f ? amax / target : 1.f;
-}
-
-// amax_scale for a row's amax taken with max_nan: NaN when the row holds a NaN or an infinity, so every
-// value stored under that scale dequantizes to NaN and attention propagates it (recipes/fp8.py row_scale).
+// The scale that maps a row's amax (taken with max_nan) to target; an all-zero row keeps scale 1, and a row
+// holding a NaN or an infinity gets a NaN scale, so every value stored under it dequantizes to NaN and
+// attention propagates it (recipes/fp8.py row_scale).
 // A NaN amax fails `amax <= 0` and takes the division, which keeps it NaN; s * 0 + s is s for every finite
 // s and NaN for an infinite one.
 __device__ __forceinline__ float amax_scale_or_nan(float amax, float target) {
