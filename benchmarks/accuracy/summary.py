@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from mpfa_jit.ops.prefill import RECIPES
 
+from .model import PEER_FP8_KV
+
 RESULT = "accuracy"   # benchmarks/results/accuracy.json
 NOISE_PPL = 0.002
 
@@ -105,6 +107,9 @@ def summarize(rows: list[dict]) -> dict:
                                     else out["ppl_loss_qk4pv8_without_compensation"] < NOISE_PPL)
     st = mrow(None, None, None, impl="stock")
     out["stock_vs_bf16_kl"] = None if st is None else st.get("kl")
+    for rc in ("qk4pv8", "qk8pv8"):
+        b, p = ppl("bf16", text="stdlib"), ppl(rc, True, text="stdlib")
+        out[f"ppl_increase_{rc}_stdlib"] = None if None in (p, b) else p / b - 1
 
     # needle
     nb = [r for r in needle if r.get("impl") == "mpfa" and r.get("recipe") == "bf16"]
@@ -133,6 +138,13 @@ def summarize(rows: list[dict]) -> dict:
                        if r.get("impl") == "mpfa" and r.get("recipe") == rc and r.get("compensation") == _comp(rc)},
         }
         table[rc] = t
+    # the peer: SGLang + FlashInfer over an FP8 E4M3 KV cache (model level only: its kernels are not ours)
+    pr = mrow(None, None, None, impl=PEER_FP8_KV)
+    if pr is not None and base is not None:
+        pn = [r for r in needle if r.get("impl") == PEER_FP8_KV]
+        table[f"{PEER_FP8_KV} (peer)"] = {"ppl": pr.get("ppl"), "ppl_increase": pr["ppl"] / base - 1, "kl": pr.get("kl"),
+                                          "top1_agree": pr.get("top1_agree"),
+                                          "needle": {str(r["context"]): r.get("accuracy") for r in pn}}
     out["kernel_outlier_context"] = outl_ctx
     # the prefill issue's figure: inputs with outlier channels, the longest context measured
     for rc in ("qk4pv8", "qk8pv8"):

@@ -18,14 +18,14 @@ import torch
 from mpfa_jit.ops import append_kv as append_op
 
 from .recipes import Recipe, get_recipe
-from .recipes.fp4 import dequantize_k4rs
 from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
+from .recipes.int8 import I4RS_BLOCK, dequantize_i4rs, dequantize_k_per_token
 from .recipes.smoothing import k_smoothing_mean
 from .validation import check_choice, check_positive_int
 
 # The cache serves what the append kernel writes.
 HEAD_DIMS, PAGE_SIZES = append_op.HEAD_DIMS, append_op.PAGE_SIZES
-_DTYPES = {"bfloat16": torch.bfloat16, "uint8": torch.uint8, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8, "float32": torch.float32}
 
 # V's channel scales come from whatever batch a layer sees first (a server's 3-token warmup request).
 # E4M3's range is wide enough to leave room: on SmolLM2's real V (benchmarks/results/studies/
@@ -59,11 +59,11 @@ class KVCacheLayer:
         f = self.fields if pages is None else {n: t[pages.long()] for n, t in self.fields.items()}
         if r.k_format == "bf16":
             k = f["k"].to(dtype)
-        elif r.k_format == "e4m3":
-            k = dequantize_e4m3(f["k"], f["k_scale"].unsqueeze(-1)).to(dtype)
+        elif r.k_format == "int8":
+            k = dequantize_k_per_token(f["k"], f["k_scale"]).to(dtype)
         else:
-            nb = self.head_dim // 32   # block scales in use (the field is padded to 4 bytes)
-            k = dequantize_k4rs(f["k8"], f["k"], f["k_block_scale"][..., :nb], f["k_scale"]).to(dtype)
+            nb = self.head_dim // (2 * I4RS_BLOCK)   # block scales in use (the field is padded to 4 bytes)
+            k = dequantize_i4rs(f["k8"], f["k"], f["k_block_scale"][..., :nb], f["k_scale"]).to(dtype)
         v = f["v"].to(dtype) if r.v_format == "bf16" else dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
         if add_mean and self.mu_k is not None:
             k = k + self.mu_k.to(dtype).unsqueeze(1)
@@ -74,7 +74,7 @@ class PagedKVCache:
     """All layers' KV pages in ``recipe``'s format.
 
     >>> cache = PagedKVCache("qk4pv8", num_layers=32, num_pages=4096, page_size=16, num_kv_heads=8, head_dim=128)
-    >>> cache.bytes_per_token_head   # 64 (FP8 half of K) + 32 (4-bit half) + 4 (block scales) + 4 (token scale) + 128 (FP8 V)
+    >>> cache.bytes_per_token_head   # 64 (INT8 half of K) + 32 (INT4 half) + 4 (block scales) + 4 (token scale) + 128 (FP8 V)
     232
     """
 

@@ -55,9 +55,12 @@ def test_recipe_ordering(src, request):
 
 
 def test_k_smoothing_matters_on_outliers(outlier):
-    for rc in ("qk8pv8", "qk4pv8"):
-        with_, without = outlier[f"{rc}/smooth1/comp1"]["rel_l2"], outlier[f"{rc}/smooth0/comp1"]["rel_l2"]
-        assert with_ < 0.5 * without, (rc, with_, without)
+    """4-bit K needs smoothing on large-mean channels; INT8 K with a per-token scale keeps ~7 bits for the
+    rest of the row even with the mean in it, so there smoothing may only help a little (here the FP8 P and
+    V errors dominate qk8pv8's), and must not hurt."""
+    rel = {(rc, s): outlier[f"{rc}/smooth{s}/comp1"]["rel_l2"] for rc in ("qk8pv8", "qk4pv8") for s in (0, 1)}
+    assert rel[("qk4pv8", 1)] < 0.5 * rel[("qk4pv8", 0)], rel
+    assert rel[("qk8pv8", 1)] <= rel[("qk8pv8", 0)], rel
 
 
 def test_compensation_on_outlier_mean_inputs():

@@ -9,7 +9,14 @@ from mpfa.reference import attention, batch_attention
 from mpfa.reference.append import quantize_rows
 
 RECIPES = ("bf16", "qk8pv8", "qk4pv8")
-POISON_BYTE = 0xFF        # 0xFF is E4M3's NaN code and an E2M1 "-6, -6" pair: never a plausible write
+# Poison of the 1-byte fields: never a plausible write. 0x80 is -128, which INT8 K (symmetric, +-127) never
+# stores; 0xFF is E4M3's NaN code (V) and a byte of INT4 K or a block scale no write produces in these tests
+# (-1, -1 nibbles or scale 255).
+POISON_BYTES = {torch.int8: 0x80, torch.uint8: 0xFF}
+
+
+def _poisoned(t):
+    return t.view(torch.uint8) == POISON_BYTES[t.dtype]
 
 
 def _gen(seed):
@@ -31,8 +38,8 @@ def _cache(recipe="qk4pv8", *, layers=2, pages=24, page_size=16, heads=2, d=64):
 
 def _poison(cache):
     for t in cache.fields.values():
-        if t.dtype == torch.uint8:
-            t.fill_(POISON_BYTE)
+        if t.dtype in POISON_BYTES:
+            t.view(torch.uint8).fill_(POISON_BYTES[t.dtype])
         else:
             t.fill_(float("nan"))
 
@@ -64,8 +71,8 @@ def _assert_matches_oracle(o, ref):
 def test_cache_fields_per_recipe(d):
     want = {
         "bf16": {"k": (torch.bfloat16, (d,)), "v": (torch.bfloat16, (d,))},
-        "qk8pv8": {"k": (torch.uint8, (d,)), "k_scale": (torch.float32, ()), "v": (torch.uint8, (d,))},
-        "qk4pv8": {"k8": (torch.uint8, (d // 2,)), "k": (torch.uint8, (d // 4,)),
+        "qk8pv8": {"k": (torch.int8, (d,)), "k_scale": (torch.float32, ()), "v": (torch.uint8, (d,))},
+        "qk4pv8": {"k8": (torch.int8, (d // 2,)), "k": (torch.uint8, (d // 4,)),
                    "k_block_scale": (torch.uint8, (max(4, d // 32),)), "k_scale": (torch.float32, ()), "v": (torch.uint8, (d,))},
     }
     bpth = {64: {"bf16": 256, "qk8pv8": 132, "qk4pv8": 120}, 128: {"bf16": 512, "qk8pv8": 260, "qk4pv8": 232}}[d]
@@ -177,9 +184,9 @@ def test_append_reference_writes_exactly_the_slots(recipe, page_size):
         assert torch.equal(_bits(got), _bits(want[name].to(t.dtype))), name
         # Unwritten slots still hold the poison, in every layer.
         rest = t.transpose(1, 2)[~written]
-        if t.dtype == torch.uint8:
-            assert (rest == POISON_BYTE).all(), name
-            assert (c.fields[name][0] == POISON_BYTE).all()
+        if t.dtype in POISON_BYTES:
+            assert _poisoned(rest).all(), name
+            assert _poisoned(c.fields[name][0]).all()
         else:
             assert torch.isnan(rest.float()).all(), name
             assert torch.isnan(c.fields[name][0].float()).all()
@@ -256,7 +263,7 @@ def test_append_bad_input_names_argument(case):
     _poison(c)
     with pytest.raises(ValueError, match=match):
         mpfa.append_kv(args["k"], args["v"], c.layer(0), args["slots"], backend="reference")
-    assert (c.fields["k"] == POISON_BYTE).all()          # nothing written before the error
+    assert _poisoned(c.fields["k"]).all()          # nothing written before the error
 
 
 def test_append_bad_device_and_kv():

@@ -81,7 +81,7 @@ def test_check_append_slots_reports_the_kernels_count_and_resets_it():
 
 def _nonfinite_rows(head_dim):
     """K and V [6, 2, D]: row 0 finite, row 1 NaN in K (a 4-bit-half channel of qk4pv8), row 2 +inf in K (an
-    E4M3-half channel), row 3 -inf in K, row 4 NaN / +inf / -inf in V, row 5 a V far past the scale (finite)."""
+    INT8-half channel), row 3 -inf in K, row 4 NaN / +inf / -inf in V, row 5 a V far past the scale (finite)."""
     k, v = _rows(6, 2, head_dim, 5), _rows(6, 2, head_dim, 6)
     k[1, 0, 0] = float("nan")
     k[2, 1, head_dim // 4 + 3] = float("inf")
@@ -100,11 +100,9 @@ def test_nonfinite_k_row_gets_nan_scale_and_v_nan_bytes(recipe, head_dim):
     k, v = _nonfinite_rows(head_dim)
     got = quantize_rows(cache.recipe, k, v, layer.mu_k, layer.v_scale)
     bad_k = {(1, 0), (2, 1), (3, 0)}
-    e4m3_k = "k" if recipe == "qk8pv8" else "k8"
     for t, h in itertools.product(range(6), range(2)):
-        if (t, h) in bad_k:
+        if (t, h) in bad_k:   # its integer bytes are unspecified: the NaN scale carries the fault
             assert torch.isnan(got["k_scale"][t, h]), (t, h)
-            assert ((got[e4m3_k][t, h] & 0x7F) == 0x7F).all(), "E4M3 K bytes of a non-finite row are E4M3 NaN"
         else:   # a finite row is quantized alone, whatever its neighbours hold
             alone = quantize_rows(cache.recipe, k[t:t + 1, h:h + 1], v[t:t + 1, h:h + 1], layer.mu_k[h:h + 1],
                                   layer.v_scale[h:h + 1])

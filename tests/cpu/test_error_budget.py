@@ -8,6 +8,7 @@ from benchmarks.accuracy import error_budget as eb
 from benchmarks.accuracy import kernel
 from mpfa.recipes.fp4 import dequantize_k4, quantize_k4
 from mpfa.recipes.fp8 import quantize_e4m3
+from mpfa.recipes.int8 import dequantize_i4rs, dequantize_k_per_token, quantize_i4rs, quantize_k_per_token
 from mpfa.reference.attention import recipe_attention
 
 
@@ -19,7 +20,7 @@ def outlier():
 @pytest.fixture(scope="module")
 def res(outlier):
     return eb.budget([outlier], ["exact", "q8s", "k4", "k4@all", "k4e@all", "k4f@all", "k8@all", "p8", "v8",
-                                 eb.IMPL, "k4@all~s"])
+                                 eb.V1_IMPL, "k4@all~s"])
 
 
 def test_k4_is_the_package_format():
@@ -33,14 +34,16 @@ def test_k4_is_the_package_format():
     assert (eb.k4(x, scales="restricted_mse") - x).norm() <= (eb.k4(x) - x).norm()   # per block the better of two
 
 
-def test_combined_is_the_recipe(outlier):
+@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+def test_combined_is_the_recipe(outlier, recipe):
     q, k, v = outlier
     cal = eb.calibrate(k, v, "all")
-    o, k_eff = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL), cal=cal)
-    k_ref = dequantize_k4(*quantize_k4(k.float() - cal["mu_k"]))
+    o, k_eff = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL8 if recipe == "qk8pv8" else eb.IMPL), cal=cal)
+    ks = k.float() - cal["mu_k"]
+    k_ref = dequantize_k_per_token(*quantize_k_per_token(ks)) if recipe == "qk8pv8" else dequantize_i4rs(*quantize_i4rs(ks))
     assert torch.equal(k_eff, k_ref)
     v_ref = quantize_e4m3(v.float(), cal["v_scale"]).float() * cal["v_scale"]
-    ref, _ = recipe_attention(q, k_ref, v_ref, recipe="qk4pv8", causal=True, compensation=True)
+    ref, _ = recipe_attention(q, k_ref, v_ref, recipe=recipe, causal=True, compensation=True)
     assert torch.allclose(o, ref, rtol=0, atol=1e-12)
 
 
@@ -51,7 +54,7 @@ def test_orderings(res):
     assert r["k8@all"] < 0.3 * r["k4@all"], r
     assert r["k4@all"] < 0.7 * r["k4"], r                                   # smoothing helps mean outliers
     assert r["k4e@all"] < r["k4@all"], r                                     # unrestricted scales: less error
-    assert r[eb.IMPL] >= 0.9 * r["k4@all"], r                               # the rest adds little
+    assert r[eb.V1_IMPL] >= 0.9 * r["k4@all"], r                            # the rest adds little
     assert len(res["k4"]["per_layer_rel_l2"]) == 1
 
 

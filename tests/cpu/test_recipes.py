@@ -395,48 +395,27 @@ def test_bytes_per_token_head(d, want):
 def test_recipe_flags():
     assert not get_recipe("bf16").quantized_k and not get_recipe("bf16").quantized_q
     r8, r4 = get_recipe("qk8pv8"), get_recipe("qk4pv8")
-    assert r8.quantized_q and r8.quantized_k and r8.quantized_v and r8.k_format == "e4m3"
-    assert r4.quantized_q and r4.quantized_k and r4.quantized_v and r4.k_format == "k4rs"
+    assert r8.quantized_q and r8.quantized_k and r8.quantized_v and r8.q_format == r8.k_format == "int8"
+    assert r4.quantized_q and r4.quantized_k and r4.quantized_v and r4.q_format == "int8" and r4.k_format == "i4rs"
 
 
-def _e2m1_code_bits(y: torch.Tensor) -> torch.Tensor:
-    """The append kernel's E2M1 encoder (templates/include/mpfa/quant.cuh e2m1_code), transcribed:
-    round the FP32 bits at bit 22 to nearest-even above 1, two compares below."""
-    bits = y.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    a = bits & 0x7FFFFFFF
-    af = a.to(torch.int32).view(torch.float32)
-    rounded = a + 0x1FFFFF + ((a >> 22) & 1)
-    normal = torch.clamp(rounded >> 22, max=259) - 252
-    small = (af > 0.25).to(torch.int64) + (af >= 0.75).to(torch.int64)
-    sign = torch.where(a != 0, (bits >> 28) & 8, torch.zeros_like(a))
-    return (torch.where(af < 1.0, small, normal) | sign).to(torch.uint8)
-
-
-def test_kernel_e2m1_bit_trick_matches_the_thresholds():
-    from mpfa.recipes.fp4 import e2m1_codes
-    grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 1e30])
-    near = torch.cat([grid, torch.nextafter(grid, torch.full_like(grid, -1)), torch.nextafter(grid, grid + 1)])
+def test_kernel_magic_rounding_is_rni_and_its_bits_hold_the_integer():
+    """The kernels round to an integer with one FP32 add of 1.5 * 2^23 (quant.cuh round_to_int, pack_s8x4,
+    the append kernel's INT4 nibbles): the sum minus the magic is torch.round (ties to even), and the sum's
+    low byte / nibble is the integer's two's complement (what the kernels store)."""
+    from mpfa.recipes.int8 import rni
+    magic = torch.tensor(12582912.0)
     g = torch.Generator().manual_seed(0)
-    rand = torch.cat([torch.rand(200_000, generator=g) * 8, torch.randn(200_000, generator=g) * 3,
-                      torch.rand(1000, generator=g) * 1e-6])
-    for y in (near, -near, rand):
-        assert torch.equal(_e2m1_code_bits(y), e2m1_codes(y))
-
-
-def test_kernel_block_scale_bit_rounding_matches_frexp():
-    """The kernel rounds block scales on the FP32 bits (quant.cuh); the reference uses frexp."""
-    from mpfa.recipes.fp4 import BLOCK_SCALE_MAX, round_up_block_scale
-    g = torch.Generator().manual_seed(1)
-    need = torch.cat([torch.exp2(torch.rand(100_000, generator=g) * 24 - 14),
-                      torch.tensor(fp4.allowed_block_scales()), torch.tensor([0.0, 1e-30, 1e3])])
-    bits = need.view(torch.int32).to(torch.int64)
-    e, m = bits & 0x7F800000, bits & 0x007FFFFF
-    sb = torch.where(m == 0, e, torch.where(m <= 0x00400000, e | 0x00400000, e + 0x00800000))
-    s = sb.to(torch.int32).view(torch.float32)
-    lo = 2.0 ** -8
-    s = torch.where(need <= lo, torch.full_like(s, lo), s)
-    s = torch.where(s == 1.5 * lo, torch.full_like(s, 2 * lo), s).clamp(max=BLOCK_SCALE_MAX)
-    assert torch.equal(s, round_up_block_scale(need))
+    halves = torch.arange(-255, 256).float() / 2                          # every tie in [-127.5, 127.5]
+    near = torch.cat([halves, torch.nextafter(halves, halves - 1), torch.nextafter(halves, halves + 1)])
+    y = torch.cat([near, (torch.rand(200_000, generator=g) * 2 - 1) * 127.5]).float()
+    t = y + magic                                                          # float32, round to nearest even
+    assert torch.equal(t - magic, rni(y))
+    q = rni(y).to(torch.int64)
+    low_byte = t.view(torch.int32).to(torch.int64) & 0xFF
+    assert torch.equal(low_byte, q & 0xFF)
+    small = q.abs() <= 7
+    assert torch.equal((t.view(torch.int32).to(torch.int64) & 0xF)[small], (q & 0xF)[small])
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

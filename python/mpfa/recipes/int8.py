@@ -1,6 +1,6 @@
 """8-bit integer QK: INT8 Q per tile, INT8 K per token, and ``i4rs`` K (half INT8, half INT4 with
-integer block scales). The references of issue 20's recipes; the kernels and the cache tables do not
-use them yet (:mod:`.recipe` still describes the FP8 formats).
+integer block scales): the formats of ``qk8pv8`` (INT8 Q and K) and ``qk4pv8`` (INT8 Q, ``i4rs`` K)
+in :mod:`.recipe`.
 
 Every function here is a reference the kernels must reproduce byte for byte. Scales are float32 and
 *multiply* the stored integer back (``x ~= q * scale``), as in :mod:`.fp8`. The operations, in the
@@ -11,8 +11,9 @@ order a kernel performs them:
 * ``q = rni(y)``: round to nearest, ties to even (``cvt.rni.s32.f32``; ``torch.round``), then clamp
   to ``[-target_int, target_int]``. Since ``|y| <= target * (1 + 2**-22)`` the clamp only guards
   against that last ulp; INT8 values are symmetric (``-128`` is never stored).
-* Non-finite input (NaN, inf) has no INT8 encoding; its bytes are unspecified here. Marking such a row
-  (a NaN scale, as the FP8 path's ``row_scale`` does) is the kernels session's, together with the kernels.
+* Non-finite input (NaN, inf) has no INT8 encoding: a K row or Q tile holding one gets a NaN scale
+  (:func:`.fp8.row_scale`), so everything stored under it dequantizes to NaN; its integer bytes (and
+  block scales) are unspecified.
 
 INT8 Q (:func:`quantize_q_per_tile`): one scale per 128 query rows and head, amax -> 127, on Q after
 smoothing (Q - mu_Q; the caller subtracts mu_Q and adds the rank-one compensation mu_Q . K, see
@@ -29,15 +30,19 @@ is stored as INT8 ``rni(y)``; the other half in blocks of ``block`` (16 or 8) ch
 (``|b * q| <= 126``) and the whole row is one INT8 MMA operand with one per-key scale
 (:func:`i4rs_to_int8`). Block scale choice, per block (``y`` the block's scaled values):
 
-    for b = 1 .. 18:  q_b = clamp(rni(y * RCP[b]), -7, 7)          RCP[b] = float32(1 / b)
-                      e_b = halving-tree sum of (y - b * q_b)**2     float32
+    b_up = clamp(ceil(amax(|y|) / 7), 1, 18)                        (a float32 division by 7)
+    for b = b_up - 2 .. b_up + 1, within 1 .. 18:                    (:data:`I4RS_WINDOW`)
+                      q_b = clamp(rni(y * RCP[b]), -7, 7)            RCP[b] = float32(1 / b)
+                      e_b = sum of (y - b * q_b)**2                  float32, order below
     b* = the first b (smallest) with the least e_b
 
 ``y - b * q_b`` is exact in float32 (``|y - b q| <= |y|`` whenever ``q != 0``), the squares and the
-sum are float32 in a fixed order: ``s = d2[:n/2] + d2[n/2:]`` repeated until one value remains (the
-order of a warp's ``shfl_xor`` reduction with offsets n/2, ..., 1, or of a thread's registers paired
-the same way), so a kernel gets the same b*. ``b*`` always has an error no larger than the
-rounded-up scale ``ceil(amax_block / 7)`` (which is a candidate).
+sum are float32 in a fixed order (:func:`_halving_sum`: each run of 8 channels, one append-kernel
+thread's registers, by halving, then the runs' sums; for 16-channel blocks one shuffle between two
+threads), so the kernel gets the same b*. ``b*`` always has an error no larger than the rounded-up
+scale ``b_up`` (which is a candidate). The window keeps the append kernel's search at 4 candidates
+(the full 1..18 search, ``window=None``, ends within 0.5% of its squared error on SmolLM2's keys and
+costs 4.5x the arithmetic: benchmarks/NOTES.md, 2026-12-01).
 
 Byte layout of an ``i4rs`` row (one token, one KV head), in this order:
 
@@ -55,15 +60,15 @@ field         bytes                         contents
 The cache pads ``k4_scale`` to a multiple of 4 bytes (``cp.async`` copies 4 bytes or more; head_dim
 64 with 16-channel blocks: 2 -> 4), as :class:`.recipe.Field` does for ``D/32``.
 
-Issue 20's study (docs/accuracy.md, "8-bit integer QK") chose 16-channel blocks, the full 18-candidate
-search and the target 126 for the recipe, and no stored per-key correction.
+Issue 20's study (docs/accuracy.md, "8-bit integer QK") chose 16-channel blocks, the least-squares
+block scale and the target 126 for the recipe, and no stored per-key correction.
 """
 from __future__ import annotations
 
 import torch
 
 from .fp4 import rope_low_channels
-from .fp8 import amax_scale
+from .fp8 import amax_scale, row_scale
 
 INT8_MAX = 127
 INT4_MAX = 7
@@ -71,6 +76,8 @@ BLOCK_SCALE_MAX = 18                 # 7 * 18 = 126 <= 127: every b * q is an IN
 I4RS_TARGET = INT4_MAX * BLOCK_SCALE_MAX
 Q_TILE = 128
 I4RS_BLOCKS = (16, 8)
+I4RS_BLOCK = 16                      # the recipe's block (8 is a study option)
+I4RS_WINDOW = (2, 1)                 # the recipe's block-scale search: b_up - 2 .. b_up + 1
 # float32(1 / b) for b = 0 .. 18 (index 0 unused): the kernel's constant table
 RCP = torch.tensor([0.0] + [1.0 / b for b in range(1, BLOCK_SCALE_MAX + 1)], dtype=torch.float32)
 
@@ -100,19 +107,20 @@ def quantize_q_per_tile(x: torch.Tensor, tile_rows: int = Q_TILE) -> tuple[torch
     n_tiles = (rows + tile_rows - 1) // tile_rows
     amax = torch.stack([x[i * tile_rows:(i + 1) * tile_rows].float().abs().amax() for i in range(n_tiles)]) \
         if n_tiles else x.new_zeros((0,), dtype=torch.float32)
-    scale = amax_scale(amax, INT8_MAX)
+    scale = row_scale(amax, INT8_MAX)
     per_row = scale.repeat_interleave(tile_rows)[:rows].unsqueeze(-1)
     return quantize_int(x, per_row), scale
 
 
 def dequantize_q_per_tile(q: torch.Tensor, scale: torch.Tensor, tile_rows: int = Q_TILE) -> torch.Tensor:
-    return q.float() * scale.repeat_interleave(tile_rows)[: q.shape[0]].unsqueeze(-1)
+    """``q * scale`` per row in the scale's dtype (float64 scales give the exact products)."""
+    return q.to(scale.dtype) * scale.repeat_interleave(tile_rows)[: q.shape[0]].unsqueeze(-1)
 
 
 def quantize_k_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """INT8 K: rows ``x[..., D]`` (already smoothed), one scale per row (amax -> 127).
     Returns ``(int8 [..., D], scale float32 [...])``."""
-    scale = amax_scale(x.float().abs().amax(dim=-1), INT8_MAX)
+    scale = row_scale(x.float().abs().amax(dim=-1), INT8_MAX)
     return quantize_int(x, scale.unsqueeze(-1)), scale
 
 
@@ -123,24 +131,33 @@ def dequantize_k_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # i4rs
 
+def _halve(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension (a power of two) as ``x[:n/2] + x[n/2:]``, repeated."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
 def _halving_sum(d2: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dimension (a power of two) as ``d2[:n/2] + d2[n/2:]``, repeated: the fixed
-    float32 order of the block-scale search."""
-    while d2.shape[-1] > 1:
-        h = d2.shape[-1] // 2
-        d2 = d2[..., :h] + d2[..., h:]
-    return d2[..., 0]
+    """The fixed float32 order of the block-scale search over a block of n (8 or 16) squared errors:
+    each run of 8 consecutive elements (one append-kernel thread's registers) by :func:`_halve`, then
+    the runs' sums the same way (two threads of a 16-channel block: one shuffle)."""
+    n = d2.shape[-1]
+    run = min(8, n)
+    return _halve(_halve(d2.reshape(*d2.shape[:-1], n // run, run)))
 
 
 def choose_block_scales(blocks: torch.Tensor, rule: str = "mse",
-                        window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        window: tuple[int, int] | None = I4RS_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
     """Block scales and INT4 values of scaled blocks ``y [..., n_blocks, block]`` (float32).
 
     ``rule``: ``mse`` (the format: the smallest b in 1..18 with the least float32 squared error) or
     ``up`` (the rounded-up ``b_up = clamp(ceil(amax / 7), 1, 18)``: no clipping, the comparison baseline).
-    ``window=(lo, hi)`` restricts the MSE search to ``b_up - lo .. b_up + hi`` (a cheaper append kernel:
-    on SmolLM2's keys ``(2, 1)``, 4 candidates, ends within 0.5% of the full search's squared error and
-    rounding up alone 18% above it; benchmarks/NOTES.md 2026-12-01). None: all 18 (the format).
+    ``window=(lo, hi)`` restricts the MSE search to ``b_up - lo .. b_up + hi``: the format's
+    :data:`I4RS_WINDOW` ``(2, 1)``, 4 candidates, ends within 0.5% of the full search's squared error on
+    SmolLM2's keys, where rounding up alone is 18% above it (benchmarks/NOTES.md 2026-12-01).
+    None: all 18 (a study option).
     Returns ``(b uint8 [..., n_blocks], q int8 [..., n_blocks, block])``."""
     y = blocks.float()
     b_up = torch.ceil(y.abs().amax(dim=-1) / INT4_MAX).clamp(1, BLOCK_SCALE_MAX)
@@ -181,8 +198,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return ((nib ^ 8) - 8).to(torch.int8)                  # sign-extend the nibble
 
 
-def quantize_i4rs(x: torch.Tensor, *, block: int = 16, target: float = I4RS_TARGET, rule: str = "mse",
-                  window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_i4rs(x: torch.Tensor, *, block: int = I4RS_BLOCK, target: float = I4RS_TARGET, rule: str = "mse",
+                  window: tuple[int, int] | None = I4RS_WINDOW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``i4rs`` K of rows ``x[..., D]`` (already smoothed; D a multiple of 4 * block).
 
     ``target``: the value the row amax maps to (126, the format; 127 makes the block scale of a row-max
@@ -196,7 +213,7 @@ def quantize_i4rs(x: torch.Tensor, *, block: int = 16, target: float = I4RS_TARG
         raise ValueError(f"head_dim must be a multiple of {4 * block} for i4rs with {block}-channel blocks, got {d}")
     x = x.float()
     low = rope_low_channels(d).to(x.device)
-    k_scale = amax_scale(x.abs().amax(dim=-1), target)
+    k_scale = row_scale(x.abs().amax(dim=-1), target)
     inv = 1.0 / k_scale.unsqueeze(-1)
     y = x * inv
     k8 = rni(y[..., low]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)

@@ -2,7 +2,7 @@
 
 Non-finite input, as the kernel (templates/include/mpfa/append/quantize_row.cuh) stores it: a K row
 (token, head; after - mu_K) holding NaN or +-inf gets a NaN ``k_scale``, so the key reads back as NaN;
-its E4M3 K bytes are E4M3 NaN, its 4-bit codes and block scales (qk4pv8) unspecified. An FP8 V element
+its integer K bytes and block scales are unspecified. An FP8 V element
 that is NaN or infinite is stored as E4M3 NaN (0x7F or 0xFF); finite values saturate at +-448. bf16
 fields keep the values as given.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..recipes.fp4 import quantize_k4rs
-from ..recipes.fp8 import quantize_e4m3_fixed_scale, quantize_per_token
+from ..recipes.fp8 import quantize_e4m3_fixed_scale
+from ..recipes.int8 import quantize_i4rs, quantize_k_per_token
 
 
 def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> dict[str, torch.Tensor]:
@@ -20,11 +20,11 @@ def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> di
         return {"k": k.to(torch.bfloat16), "v": v.to(torch.bfloat16)}
     ks = k.float() - mu_k
     out = {"v": quantize_e4m3_fixed_scale(v.float(), v_scale).view(torch.uint8)}
-    if recipe.name == "qk8pv8":
-        q, scale = quantize_per_token(ks)
-        out.update(k=q.view(torch.uint8), k_scale=scale)
+    if recipe.k_format == "int8":
+        q, scale = quantize_k_per_token(ks)
+        out.update(k=q, k_scale=scale)
     else:
-        k8, packed, block_scale, token_scale = quantize_k4rs(ks)
+        k8, packed, block_scale, token_scale = quantize_i4rs(ks)
         pad = recipe.field("k_block_scale").numel(ks.shape[-1]) - block_scale.shape[-1]   # head_dim 64: 2 -> 4 bytes
         block_scale = torch.nn.functional.pad(block_scale, (0, pad))
         out.update(k8=k8, k=packed, k_block_scale=block_scale, k_scale=token_scale)

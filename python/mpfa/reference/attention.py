@@ -23,13 +23,13 @@ in the kernels' online softmax. Past that, the rule depends on the recipe, as in
   ``0 * NaN`` are NaN). An inf in Q or ``sm_scale`` acts through the scores the same way. An inf in
   channel ``c`` of a value gives +-inf or NaN in channel ``c`` of every output that sees the key
   (``p * inf``; NaN where ``p`` is 0 or where +inf and -inf meet), never a finite value.
-* Quantized recipes (FP8 Q, quantized K and V): their caches store a non-finite K row's scale and a
+* Quantized recipes (INT8 Q, quantized K and V): their caches store a non-finite K row's scale and a
   non-finite V element as NaN, so the arithmetic runs on copies with non-finite inputs replaced by 0,
   and then every output that depends on one is set to NaN:
 
   * a non-finite ``sm_scale``: every row that sees a key (output and LSE);
-  * a non-finite element of a query row: that row and head, output and LSE, and, as FP8 Q shares
-    factors, every row sharing the row's FP8 scale tile (``q_tile`` rows, same
+  * a non-finite element of a query row: that row and head, output and LSE, and, as INT8 Q shares
+    factors, every row sharing the row's INT8 scale tile (``q_tile`` rows, same
     head) and, with compensation, every row of the request for that head (mu_Q is their mean);
   * a non-finite element of a key: output and LSE of every (row, head) that sees that key;
   * a non-finite element of a value: that channel of the output of every (row, head) that sees it.
@@ -41,7 +41,8 @@ import math
 import torch
 
 from ..recipes import Recipe, get_recipe
-from ..recipes.fp8 import E4M3_MAX, quantize_e4m3, quantize_per_tile
+from ..recipes.fp8 import E4M3_MAX, quantize_e4m3
+from ..recipes.int8 import dequantize_q_per_tile, quantize_q_per_tile
 
 # P is quantized as e4m3(p * P_SCALE) / P_SCALE: p <= 1 after subtracting the row max, so the max maps
 # to the top of E4M3 (SageAttention's static offset).
@@ -191,7 +192,7 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
 
     q ``[n, H, D]`` as the model gives it (bf16); k/v ``[m, H_kv, D]`` dequantized from the cache.
     Quantized recipes: Q - mu_Q (mu_Q the mean of this request's rows per head, when
-    ``compensation``) is quantized to FP8 with one scale per ``q_tile`` rows and head; the scores
+    ``compensation``) is quantized to INT8 with one scale per ``q_tile`` rows and head; the scores
     get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * 448) / 448``. The bf16
     recipe rounds P to bf16 before the PV product, as its kernel does. Non-finite inputs: module docstring.
     """
@@ -211,9 +212,8 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
         mu = qf.mean(dim=0) if (compensation and q.shape[0] > 0) else qf.new_zeros(qf.shape[1:])
         q_eff = torch.empty_like(qf, dtype=dtype)
         for h in range(heads):
-            q8, scale = quantize_per_tile(qf[:, h] - mu[h], q_tile)
-            per_row = scale.repeat_interleave(q_tile)[: q.shape[0]].unsqueeze(-1)
-            q_eff[:, h] = q8.to(dtype) * per_row.to(dtype)
+            q8, scale = quantize_q_per_tile(qf[:, h] - mu[h], q_tile)
+            q_eff[:, h] = dequantize_q_per_tile(q8.to(dtype), scale.to(dtype), q_tile)
         if compensation:
             bias = torch.einsum("hd,khd->hk", mu.to(dtype), k)
 
@@ -230,7 +230,7 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
 
 
 def _spread_over_shared_q_scales(row_bad: torch.Tensor, q_tile: int, compensation: bool) -> torch.Tensor:
-    """``[n, H]``: the rows a non-finite Q element reaches through FP8 Q's shared factors: its scale
+    """``[n, H]``: the rows a non-finite Q element reaches through INT8 Q's shared factors: its scale
     tile (``q_tile`` rows of one head) and, with compensation, mu_Q (every row of the head)."""
     n = row_bad.shape[0]
     if compensation:

@@ -90,7 +90,7 @@ class MpfaTokenToKVPool(KVCache):
         return k, v
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """The layer's compressed K field (``[pages, heads, page_size, ...]``; uint8 for quantized
+        """The layer's compressed K field (``[pages, heads, page_size, ...]``; int8 for quantized
         recipes): only mpfa's kernels read it."""
         return self.cache.fields["k"][self.local_index(layer_id)]
 
