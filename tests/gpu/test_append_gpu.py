@@ -106,7 +106,8 @@ def test_append_reference_roundtrip_error_small(shared_jit_cache, bf16_rows):
     """The stored cache reproduces its input within each format's precision (calibrated layer)."""
     _rows = bf16_rows
     gen = torch.Generator(device="cuda").manual_seed(11)
-    for recipe, tol_k, tol_v in (("bf16", 0, 0), ("qk8pv8", 0.04, 0.04), ("qk4pv8", 0.15, 0.04)):
+    # K: INT8 per token 1.5%, i4rs 7.1% on these rows (CPU reference, another seed); V: FP8 2.6%
+    for recipe, tol_k, tol_v in (("bf16", 0, 0), ("qk8pv8", 0.02, 0.04), ("qk4pv8", 0.09, 0.04)):
         cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=16, page_size=16, num_kv_heads=4, head_dim=128)
         k, v = _rows(256, 4, 128, gen), _rows(256, 4, 128, gen)
         cache.calibrate(0, k, v)
@@ -201,8 +202,8 @@ def test_append_counts_out_of_range_slots_in_graph_replays(recipe, shared_jit_ca
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_append_nonfinite_rows_give_the_defined_bytes(recipe, head_dim, shared_jit_cache, bf16_rows):
-    """NaN / +-inf in K: the row's k_scale is NaN and its E4M3 K bytes E4M3 NaN (its 4-bit codes and block
-    scales are unspecified); NaN / +-inf in V: E4M3 NaN, never 448; every other byte (finite rows, finite V,
+    """NaN / +-inf in K: the row's k_scale is NaN (its integer K bytes and block scales are unspecified:
+    the scale carries the fault); NaN / +-inf in V: E4M3 NaN, never 448; every other byte (finite rows, finite V,
     finite V past the scale, subnormal and -0 V) is the reference's; bf16 keeps the values as given."""
     gen = torch.Generator(device="cuda").manual_seed(_seed(recipe, head_dim, "nan"))
     heads, n = 2, 40
@@ -213,7 +214,7 @@ def test_append_nonfinite_rows_give_the_defined_bytes(recipe, head_dim, shared_j
         layer.v_scale[1] = 2e-38   # head 1: a scale under which bf16 subnormals are E4M3 numbers
     k, v = bf16_rows(n, heads, head_dim, gen), bf16_rows(n, heads, head_dim, gen)
     nan, inf = float("nan"), float("inf")
-    low = head_dim // 4 + 1   # qk4pv8: an E4M3-half channel; channel 0 is in the 4-bit half
+    low = head_dim // 4 + 1   # qk4pv8: an INT8-half channel; channel 0 is in the 4-bit half
     k[1, 0, 0], k[2, 1, low], k[3, 0, head_dim - 1], k[4, 1, 5] = nan, inf, -inf, nan
     k[5, 0, :] = inf
     v[6, 0, 1], v[6, 0, 8], v[7, 1, 9], v[8, 0, :] = nan, inf, -inf, -inf
@@ -234,8 +235,6 @@ def test_append_nonfinite_rows_give_the_defined_bytes(recipe, head_dim, shared_j
     assert int(bad_k.sum()) == 5
     assert torch.isnan(got["k_scale"][bad_k]).all(), "a non-finite K row's k_scale is NaN"
     assert _same_bytes(got["k_scale"][~bad_k], want["k_scale"][~bad_k])
-    e4m3_k = "k" if recipe == "qk8pv8" else "k8"
-    assert ((got[e4m3_k][bad_k] & 0x7F) == 0x7F).all(), "E4M3 K bytes of a non-finite row are E4M3 NaN"
     for name in ("k", "k8", "k_block_scale"):
         if name in got:
             assert _same_bytes(got[name][~bad_k], want[name][~bad_k]), f"{name}: a finite row differs"

@@ -19,10 +19,10 @@ struct RecipeTraits {
   static constexpr bool kQuantK = R != Recipe::kBf16;
   // V in E4M3 with fixed per-(layer, head, channel) scales applied after the PV product.
   static constexpr bool kQuantV = R != Recipe::kBf16;
-  // The whole K row in one 8-bit field (E4M3 for qk8pv8, bf16 otherwise).
+  // The whole K row in one field (INT8 for qk8pv8, bf16 otherwise).
   static constexpr bool kWholeK = R != Recipe::kQk4pv8;
-  // K split by frequency (recipes/fp4.py quantize_k4rs): the low-frequency RoPE half of the channels in
-  // E4M3 (field k8), the other half as E2M1 nibbles (field k) with one E4M3 scale per 16 channels.
+  // K split by frequency (recipes/int8.py quantize_i4rs): the low-frequency RoPE half of the channels as
+  // INT8 (field k8), the other half as INT4 nibbles (field k) with one integer scale 1..18 per 16 channels.
   static constexpr bool kSplitK = R == Recipe::kQk4pv8;
 };
 
@@ -31,11 +31,11 @@ template <Recipe R, int HeadDim>
 struct CacheLayout : RecipeTraits<R> {
   using Traits = RecipeTraits<R>;
   static constexpr int kHeadDim = HeadDim;
-  // "k": bf16 / E4M3 values of the whole row, or qk4pv8's packed E2M1 nibbles of the high-frequency half.
+  // "k": bf16 / INT8 values of the whole row, or qk4pv8's packed INT4 nibbles of the high-frequency half.
   static constexpr int k_bytes = R == Recipe::kBf16 ? 2 * HeadDim : (R == Recipe::kQk8pv8 ? HeadDim : HeadDim / 4);
-  // "k8": qk4pv8's E4M3 bytes of the low-frequency half.
+  // "k8": qk4pv8's INT8 bytes of the low-frequency half.
   static constexpr int k8_bytes = Traits::kSplitK ? HeadDim / 2 : 0;
-  // "k_block_scale": qk4pv8's E4M3 block scales, one per 16 nibble channels, padded to 4 bytes so every
+  // "k_block_scale": qk4pv8's integer block scales (1..18), one per 16 nibble channels, padded to 4 bytes so every
   // row is at least one 4-byte copy (head_dim 64 has 2 scales and 2 bytes of zeros).
   static constexpr int k_block_scale_bytes = Traits::kSplitK ? (HeadDim / 32 > 4 ? HeadDim / 32 : 4) : 0;
   // "k_scale": one FP32 scale per (token, head).

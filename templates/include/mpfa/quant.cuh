@@ -1,5 +1,5 @@
-// Device-side quantizers of the cache formats. They mirror python/mpfa/recipes/{fp8,fp4}.py
-// operation for operation (same float ops in the same order), so the bytes match the reference.
+// Device-side quantizers of the cache formats and of prefill's Q. They mirror python/mpfa/recipes/
+// {fp8,int8}.py operation for operation (same float ops in the same order), so the bytes match the reference.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -9,14 +9,30 @@
 namespace mpfa {
 
 constexpr float kE4M3Max = 448.0f;
-constexpr float kE2M1Max = 6.0f;
-constexpr float kBlockScaleMax = 64.0f;               // largest allowed 4-bit-K block scale
-constexpr float kBlockScaleMin = 0.00390625f;         // 2^-8, the smallest
-constexpr float kTokenTarget = kE2M1Max * kBlockScaleMax;  // a token's amax maps here (384)
+// 8-bit integer QK (recipes/int8.py): INT8 values in [-127, 127]; i4rs K's INT4 values in [-7, 7] times an
+// integer block scale 1..18, so every product is an INT8 value and the row amax maps to 7 * 18.
+constexpr float kInt8Max = 127.0f;
+constexpr float kInt4Max = 7.0f;
+constexpr int kI4rsBlockScaleMax = 18;
+constexpr float kI4rsTarget = kInt4Max * kI4rsBlockScaleMax;   // 126
+// 1.5 * 2^23: for |y| < 2^22, y + kRoundMagic rounds y to the nearest integer, ties to even (the FP32 ulp
+// there is 1), and the sum's bits are 0x4B400000 + rni(y): its low byte is rni(y) as a two's-complement
+// int8 whenever |rni(y)| <= 127. One FADD instead of a conversion (F2I runs at a quarter of the FP32 rate).
+constexpr float kRoundMagic = 12582912.0f;
+constexpr uint32_t kRoundMagicBits = 0x4B400000u;
 
-__device__ __forceinline__ uint8_t to_e4m3(float x) {
-  // Round to nearest even, saturating at +-448: the reference clamps, then casts.
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+// rni(y) (ties to even) as float, exactly the reference's torch.round(y) for |y| < 2^22. The adds are
+// explicit _rn so that the compiler cannot contract a preceding multiply into them (one rounding of the
+// product first, as the reference has).
+__device__ __forceinline__ float round_to_int(float y) {
+  return __fsub_rn(__fadd_rn(y, kRoundMagic), kRoundMagic);
+}
+
+// 4 values (each already x * inv, |.| <= 127.5) -> 4 int8 bytes rni(.), a in the low byte.
+__device__ __forceinline__ uint32_t pack_s8x4(float a, float b, float c, float d) {
+  const uint32_t ba = __float_as_uint(__fadd_rn(a, kRoundMagic)), bb = __float_as_uint(__fadd_rn(b, kRoundMagic));
+  const uint32_t bc = __float_as_uint(__fadd_rn(c, kRoundMagic)), bd = __float_as_uint(__fadd_rn(d, kRoundMagic));
+  return __byte_perm(__byte_perm(ba, bb, 0x0040), __byte_perm(bc, bd, 0x0040), 0x5410);
 }
 
 // 2 floats -> 2 E4M3 bytes in one instruction (cvt.rn.satfinite.e4m3x2.f32).
@@ -41,35 +57,8 @@ __device__ __forceinline__ __nv_bfloat162 infinities_to_nan(__nv_bfloat162 x) {
   return __hfma2(x, __float2bfloat162_rn(0.f), x);
 }
 
-// Smallest allowed block scale (2^e or 1.5*2^e, products with E2M1 exact in E4M3) >= need, on the
-// FP32 bits: a zero mantissa keeps 2^e, a mantissa <= .5 gives 1.5*2^e, else 2^(e+1); then the
-// clamps of the allowed range (the reference does the same with frexp).
-__device__ __forceinline__ float round_up_block_scale(float need) {
-  const uint32_t b = __float_as_uint(need);
-  const uint32_t e = b & 0x7f800000u, m = b & 0x007fffffu;
-  float s = __uint_as_float(m == 0 ? e : (m <= 0x00400000u ? (e | 0x00400000u) : e + 0x00800000u));
-  if (need <= kBlockScaleMin) s = kBlockScaleMin;
-  if (s == 1.5f * kBlockScaleMin) s = 2.f * kBlockScaleMin;  // 1.5*2^-8 leaves E4M3's grid
-  return fminf(s, kBlockScaleMax);
-}
-
-// E2M1 nibble (sign << 3 | magnitude code) of y, nearest with ties to the even code, saturating.
-// Below 1 the grid is {0, 0.5, 1}: two compares. From 1 up, E2M1 is a float with one mantissa
-// bit: round the FP32 bits to nearest-even at bit 22, then (exponent << 1 | mantissa bit) - 252
-// is the code (1.0 -> 2 ... 6.0 -> 7), clamped at 7. Same results as the reference's thresholds
-// (tests/cpu/test_recipes.py checks the bit trick against them).
-__device__ __forceinline__ uint32_t e2m1_code(float y) {
-  const uint32_t bits = __float_as_uint(y);
-  const uint32_t a = bits & 0x7fffffffu;
-  const float af = __uint_as_float(a);
-  const uint32_t rounded = a + 0x1fffffu + ((a >> 22) & 1u);
-  const uint32_t normal = min(rounded >> 22, 259u) - 252u;
-  const uint32_t small = (af > 0.25f ? 1u : 0u) + (af >= 0.75f ? 1u : 0u);
-  return (af < 1.f ? small : normal) | (a != 0 ? (bits >> 28) & 8u : 0u);   // -0 keeps no sign, like y < 0
-}
-
-// qk4pv8's K (recipes/fp4.py quantize_k4rs) splits a row of D channels into two fields in channel
-// order: the low-frequency RoPE half (c mod D/2 >= D/4) as E4M3 bytes, the other half as E2M1 nibbles.
+// qk4pv8's K (recipes/int8.py quantize_i4rs) splits a row of D channels into two fields in channel
+// order: the low-frequency RoPE half (c mod D/2 >= D/4) as INT8 bytes, the other half as INT4 nibbles.
 template <int D>
 __device__ __forceinline__ bool k4rs_low(int c) { return c % (D / 2) >= D / 4; }
 

@@ -35,7 +35,8 @@ append_kv_kernel(const AppendParams p) {
   static_assert(L::k_scale_bytes == 0 || L::k_scale_bytes == sizeof(float), "k_scale holds one float per row");
   const Lane me = lane_of<S>(threadIdx.x);
   const int h = blockIdx.y;   // one KV head per grid row: its fixed scales load once per thread
-  const ChannelConstants<L> cc(p.mu_k, p.v_scale, h, me.c0);
+  __shared__ __align__(16) float mu_smem[ChannelConstants<L>::kMuShared ? HeadDim : 4];
+  const ChannelConstants<L> cc(p.mu_k, p.v_scale, h, me.c0, mu_smem);
   if (h == 0) count_bad_slots(p);
   int parity = 0;   // split K's exchange buffer (schedule.cuh)
   // Offsets (elements) of this thread's 8 channels of its head in a token's K and V rows. Pinned here by an
@@ -68,12 +69,13 @@ append_kv_kernel(const AppendParams p) {
       if (write) store_v_e4m3<L>(p.v_data, row, me.c0, vr, cc.inv_vs);
     }
     if constexpr (L::kQuantK) {
-      float k[8];
-      const float amax8 = smooth_k(kr, cc.mu, k);
+      float k[8], mu[8];
+      cc.mu(mu);
+      const float amax8 = smooth_k(kr, mu, k);
       if constexpr (L::kSplitK) {
-        store_k_split<S, L>(p, write, row, me, k, amax8, parity);
+        store_k_i4rs<S, L>(p, write, row, me, k, amax8, parity);
       } else {
-        store_k_e4m3<S, L>(p, write, row, me, k, amax8);
+        store_k_int8<S, L>(p, write, row, me, k, amax8);
       }
     }
   }

@@ -19,8 +19,8 @@
   X(int64_t, num_tokens)                                                                                   \
   X(int64_t, num_slots)           /* the layer's pages * page_size: a slot at or past it is skipped */     \
   X(int*, bad_slots)              /* [1]: += the number of skipped slots >= num_slots (tokens, not rows) */ \
-  X(void*, k_data)                /* field "k": bf16 | E4M3 | qk4pv8's E2M1 nibbles */                     \
-  X(void*, k8_data)               /* field "k8": qk4pv8's E4M3 half of K */                                \
+  X(void*, k_data)                /* field "k": bf16 | INT8 | qk4pv8's INT4 nibbles */                      \
+  X(void*, k8_data)               /* field "k8": qk4pv8's INT8 half of K */                                \
   X(void*, k_block_scale)         /* field "k_block_scale": qk4pv8 */                                      \
   X(void*, k_scale)               /* field "k_scale": float per (token, head), quantized K */              \
   X(void*, v_data)                /* field "v": bf16 | E4M3 */                                             \

@@ -1,10 +1,10 @@
 // One thread's 8 channels of a row, quantized to the recipe's cache fields and stored. Each quantizer
-// mirrors python/mpfa/reference/append.py quantize_rows (recipes/fp8.py, recipes/fp4.py) operation for
-// operation, so the bytes match the reference.
+// mirrors python/mpfa/reference/append.py quantize_rows (recipes/int8.py for K, recipes/fp8.py for V)
+// operation for operation, so the bytes match the reference.
 //
 // Non-finite input (the reference defines the same): a K row (after - mu_K) holding a NaN or an infinity
-// gets a NaN k_scale, so every value of that key dequantizes to NaN; its E4M3 K bytes are E4M3 NaN, its
-// 4-bit codes and block scales are unspecified. A V element that is NaN or infinite is stored as E4M3 NaN;
+// gets a NaN k_scale, so every value of that key dequantizes to NaN; its integer K bytes and block scales
+// are unspecified. A V element that is NaN or infinite is stored as E4M3 NaN;
 // finite values saturate at +-448. bf16 fields store the values as given.
 #pragma once
 #include <cuda_bf16.h>
@@ -23,16 +23,39 @@ __device__ __forceinline__ T* field_at(void* base, int64_t row, int row_bytes, i
 }
 
 // The thread's fixed per-channel constants of its head: mu_K (quantized K) and 1 / v_scale (quantized V).
+// Split K keeps mu_K in shared memory (the block's one head, read back per row) instead of 8 registers:
+// its block-scale search needs them under the 64-register cap of 4 blocks per SM.
 template <class L>
 struct ChannelConstants {
-  float mu[8], inv_vs[8];
+  static constexpr bool kMuShared = L::kSplitK;
+  float mu_r[kMuShared ? 1 : 8], inv_vs[8];
+  const float* mu_s;   // kMuShared: this thread's 8 channels of the block's copy
 
-  __device__ __forceinline__ ChannelConstants(const float* mu_k, const float* v_scale, int h, int c0) {
-    if constexpr (L::kQuantK) load8(mu_k + h * L::kHeadDim + c0, mu);
+  // Every thread of the block calls it (kMuShared: a block barrier); mu_smem: kHeadDim floats.
+  __device__ __forceinline__ ChannelConstants(const float* mu_k, const float* v_scale, int h, int c0, float* mu_smem) {
+    if constexpr (L::kQuantK) {
+      if constexpr (kMuShared) {
+        for (int i = threadIdx.x; i < L::kHeadDim / 4; i += blockDim.x)
+          reinterpret_cast<float4*>(mu_smem)[i] = reinterpret_cast<const float4*>(mu_k + h * L::kHeadDim)[i];
+        __syncthreads();
+        mu_s = mu_smem + c0;
+      } else {
+        load8(mu_k + h * L::kHeadDim + c0, mu_r);
+      }
+    }
     if constexpr (L::kQuantV) {
       load8(v_scale + h * L::kHeadDim + c0, inv_vs);
 #pragma unroll
       for (int i = 0; i < 8; ++i) inv_vs[i] = __frcp_rn(inv_vs[i]);   // x * (1/scale): the reference's order
+    }
+  }
+
+  __device__ __forceinline__ void mu(float (&dst)[8]) const {
+    if constexpr (kMuShared) {
+      load8(mu_s, dst);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dst[i] = mu_r[i];
     }
   }
 
@@ -82,49 +105,88 @@ __device__ __forceinline__ float smooth_k(uint4 kr, const float (&mu)[8], float 
   return amax8;
 }
 
-// Whole-row FP8 K (qk8pv8), one scale per row: the largest |K - mu_K| maps to 448.
+// Whole-row INT8 K (qk8pv8, recipes/int8.py quantize_k_per_token), one scale per row: the largest
+// |K - mu_K| maps to 127.
 template <class S, class L>
-__device__ __forceinline__ void store_k_e4m3(const AppendParams& p, bool write, int64_t row, const Lane& me,
+__device__ __forceinline__ void store_k_int8(const AppendParams& p, bool write, int64_t row, const Lane& me,
                                              const float (&k)[8], float amax8) {
-  const float ks = amax_scale_or_nan(group_max<S>(amax8), kE4M3Max);
+  const float ks = amax_scale_or_nan(group_max<S>(amax8), kInt8Max);
   const float inv = __frcp_rn(ks);
   if (write) {
-    uint2 out;
-    uint16_t* o16 = reinterpret_cast<uint16_t*>(&out);
+    float y[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o16[i] = to_e4m3x2(k[2 * i] * inv, k[2 * i + 1] * inv);
-    *field_at<uint2>(p.k_data, row, L::k_bytes, me.c0) = out;
+    for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(k[i], inv);
+    *field_at<uint2>(p.k_data, row, L::k_bytes, me.c0) =
+        make_uint2(pack_s8x4(y[0], y[1], y[2], y[3]), pack_s8x4(y[4], y[5], y[6], y[7]));
     if (me.group_lane == 0) *field_at<float>(p.k_scale, row, L::k_scale_bytes, 0) = ks;
   }
 }
 
-// Split K (qk4pv8, recipes/fp4.py quantize_k4rs): one FP32 scale per row (amax -> 6 * 64); the
-// low-frequency RoPE half (whole 8-channel chunks: each thread is on one side) as E4M3 of k / ts, the
-// other half as E2M1 in blocks of 16 channels (2 threads) with block scales from {2^e, 1.5 * 2^e}.
+// Squared error of quantizing a 16-channel INT4 block (this thread's 8 scaled values y and its partner
+// lane's 8) with block scale b, summed in the reference's order (recipes/int8.py _halving_sum): the thread's
+// run of 8 by halving, then the two runs with one shuffle (a + b == b + a: both lanes get the same bits).
+// Every lane of the warp calls it (the shuffle), whatever its block's candidates.
+__device__ __forceinline__ float i4_block_error(const float (&y)[8], float b) {
+  const float rcp = __frcp_rn(b);
+  float d2[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float q = fminf(fmaxf(round_to_int(__fmul_rn(y[i], rcp)), -kInt4Max), kInt4Max);
+    const float d = __fmaf_rn(-b, q, y[i]);   // y - b q, exact (b q is exact and |y - b q| <= |y| or <= 0.5 b)
+    d2[i] = __fmul_rn(d, d);
+  }
+#pragma unroll
+  for (int h = 4; h > 0; h >>= 1) {
+#pragma unroll
+    for (int i = 0; i < h; ++i) d2[i] = __fadd_rn(d2[i], d2[i + h]);
+  }
+  return __fadd_rn(d2[0], __shfl_xor_sync(0xffffffffu, d2[0], 1));
+}
+
+// i4rs K (qk4pv8, recipes/int8.py quantize_i4rs): one FP32 scale per row (amax -> 126); the low-frequency
+// RoPE half (whole 8-channel chunks: each thread is on one side) as INT8, the other half as INT4 in [-7, 7]
+// in blocks of 16 channels (2 lanes) with an integer block scale b: of b_up - 2 .. b_up + 1 within 1 .. 18
+// (b_up = ceil(block amax / 7)), the smallest with the least squared error.
 template <class S, class L>
-__device__ __forceinline__ void store_k_split(const AppendParams& p, bool write, int64_t row, const Lane& me,
-                                              const float (&k)[8], float amax8, int& parity) {
+__device__ __forceinline__ void store_k_i4rs(const AppendParams& p, bool write, int64_t row, const Lane& me,
+                                             const float (&k)[8], float amax8, int& parity) {
   constexpr int D = L::kHeadDim;
-  const float ts = amax_scale_or_nan(row_amax_across_halves<S>(group_max<S>(amax8), me, parity), kTokenTarget);
+  const float ts = amax_scale_or_nan(row_amax_across_halves<S>(group_max<S>(amax8), me, parity), kI4rsTarget);
+  const float inv = __frcp_rn(ts);
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(k[i], inv);
   const int idx = k4rs_index<D>(me.c0);   // position within its half's field
   if (me.half == 1) {                     // = k4rs_low<D>(c0), uniform per warp
-    const float inv = __frcp_rn(ts);      // x * (1/scale), as quantize_e4m3
-    uint2 out;
-    uint16_t* o16 = reinterpret_cast<uint16_t*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o16[i] = to_e4m3x2(k[2 * i] * inv, k[2 * i + 1] * inv);
-    if (write) *field_at<uint2>(p.k8_data, row, L::k8_bytes, idx) = out;
+    if (write)
+      *field_at<uint2>(p.k8_data, row, L::k8_bytes, idx) =
+          make_uint2(pack_s8x4(y[0], y[1], y[2], y[3]), pack_s8x4(y[4], y[5], y[6], y[7]));
   } else {
-    const float block_amax = fmaxf(amax8, __shfl_xor_sync(0xffffffffu, amax8, 1));   // 2 threads = 16 channels
-    const float bs = round_up_block_scale(block_amax * __frcp_rn(ts * kE2M1Max));
-    const float inv = __frcp_rn(ts * bs);
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(y[i]));
+    const float block_amax = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));   // 2 lanes = 16 channels
+    const float b_up = fminf(fmaxf(ceilf(__fdiv_rn(block_amax, kInt4Max)), 1.f), float(kI4rsBlockScaleMax));
+    float best_e = __int_as_float(0x7f800000), best_b = b_up;
+#pragma unroll
+    for (int c = -2; c <= 1; ++c) {
+      const float b = b_up + float(c);
+      const bool in_range = b >= 1.f && b <= float(kI4rsBlockScaleMax);
+      const float e = i4_block_error(y, in_range ? b : b_up);
+      if (in_range && e < best_e) { best_e = e; best_b = b; }   // ascending b, strict: ties keep the smaller
+    }
+    const float rcp = __frcp_rn(best_b);
     uint32_t packed = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) packed |= e2m1_code(k[i] * inv) << (4 * i);
+    for (int i = 0; i < 8; ++i) {
+      const float q = fminf(fmaxf(round_to_int(__fmul_rn(y[i], rcp)), -kInt4Max), kInt4Max);
+      packed |= (__float_as_uint(__fadd_rn(q, kRoundMagic)) & 0xFu) << (4 * i);   // q's 4-bit two's complement
+    }
     if (write) {
       *field_at<uint32_t>(p.k_data, row, L::k_bytes, idx / 2) = packed;   // 2 channels a byte
       constexpr int kScales = D / 32;   // in use; the field is padded to L::k_block_scale_bytes
-      if (idx % 16 == 0) *field_at<uint8_t>(p.k_block_scale, row, L::k_block_scale_bytes, idx / 16) = to_e4m3(bs);
+      if (idx % 16 == 0)
+        *field_at<uint8_t>(p.k_block_scale, row, L::k_block_scale_bytes, idx / 16) = uint8_t(best_b);
       // the padding (head_dim 64: 2 scales in a 4-byte field) is written too: every byte of a slot is defined
 #pragma unroll
       for (int b = kScales; b < L::k_block_scale_bytes; ++b)

@@ -5,7 +5,7 @@
 // so a thread keeps one head's mu_K and 1/v_scale in registers for the whole kernel.
 //
 // Split K (qk4pv8) splits each row between two warps: warps 0-3 own the 4-bit (high-frequency) half of
-// their rows' channels, warps 4-7 the E4M3 half, so no warp runs both quantizers one after the other
+// their rows' channels, warps 4-7 the INT8 half, so no warp runs both quantizers one after the other
 // (a warp holding both kinds of chunk would). The row's amax meets its partner warp's through shared
 // memory. The other recipes keep a row in one aligned group of kThreadsPerRow lanes.
 #pragma once
@@ -41,7 +41,7 @@ struct Lane {
   int row;         // row of the block's kRowsPerBlock
   int group_lane;  // lane within the row's group (0 writes the row's scalars)
   int c0;          // first of the 8 channels this thread owns
-  int half;        // split K: 0 the 4-bit half's warps, 1 the E4M3 half's; else 0
+  int half;        // split K: 0 the 4-bit half's warps, 1 the INT8 half's; else 0
 };
 
 template <class S>
@@ -53,7 +53,7 @@ __device__ __forceinline__ Lane lane_of(int tid) {
     l.half = warp / 4;
     l.row = (warp % 4) * S::kRowsPerWarp + lane / S::kGroupLanes;
     l.group_lane = lane % S::kGroupLanes;
-    // 4-bit chunks: the first quarter of each half of the row (k4rs_low is false there); E4M3: the second.
+    // 4-bit chunks: the first quarter of each half of the row (k4rs_low is false there); INT8: the second.
     const int j = l.group_lane;
     l.c0 = 8 * ((j / q) * 2 * q + j % q + l.half * q);
   } else {
