@@ -2,9 +2,7 @@
 nvcc builds of the decode template for sm_90a (SASS: tensor-core MMAs, cp.async, nothing spilled)."""
 import ctypes
 import math
-import re
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -194,98 +192,6 @@ def test_update_page_table_on_the_reference_path_matches_a_new_plan():
     assert torch.equal(w.run(q, layer), fresh.run(q, layer))
     with pytest.raises(RuntimeError, match="before plan"):
         BatchDecodeWrapper(torch.empty(8, dtype=torch.uint8)).update_page_table(None, None, None)
-
-
-# ---- the decode kernel's 4-bit K dequantization (templates/include/mpfa/mma_frag.cuh), transcribed ----
-
-_TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
-
-
-def _header_constants():
-    """The constants of e2m1x8_to_f16x2_scaled and lop3_select as the header spells them; the asserts pin
-    the expressions the transcription below mirrors, so an edit to the kernel fails here until the
-    transcription follows it."""
-    src = (_TEMPLATES / "include" / "mpfa" / "mma_frag.cuh").read_text()
-    code = int(re.search(r"kCode = (0x[0-9A-Fa-f]+)u;", src).group(1), 16)
-    lut = int(re.search(r'lop3\.b32 %0, %1, %2, %3, (0x[0-9A-Fa-f]+);', src).group(1), 16)
-    assert "const uint32_t sg = x & 0x88888888u;" in src
-    assert "lop3_select<kCode>(x << 2, __funnelshift_l(sg, sg, 4))" in src
-    assert "lop3_select<kCode>(x >> 2, sg)" in src
-    assert "out[0] = e4m3x2_to_f16x2(even);" in src and "out[1] = e4m3x2_hi_to_f16x2(even);" in src
-    assert "out[2] = e4m3x2_to_f16x2(odd);" in src and "out[3] = e4m3x2_hi_to_f16x2(odd);" in src
-    assert "e2m1x8_pair_lo(int k) { return (k & 1) * 4 + (k >> 1); }" in src
-    assert "e2m1x8_pair_hi(int k) { return e2m1x8_pair_lo(k) + 2; }" in src
-    mma = (_TEMPLATES / "include" / "mpfa" / "decode" / "mma.cuh").read_text()
-    mult = int(re.search(r"k64 = (0x[0-9A-Fa-f]+)u;", mma).group(1), 16)
-    return code, lut, mult
-
-
-def _lop3(a, b, c, lut):
-    """lop3.b32 on int64 tensors holding 32-bit words: result bit = lut bit (a << 2 | b << 1 | c)."""
-    out = torch.zeros_like(a)
-    for i in range(8):
-        if (lut >> i) & 1:
-            ma = a if i & 4 else ~a
-            mb = b if i & 2 else ~b
-            mc = c if i & 1 else ~c
-            out |= ma & mb & mc
-    return out & 0xFFFFFFFF
-
-
-def _kernel_e2m1x8(words):
-    """e2m1x8_to_f16x2_scaled, transcribed: [n] 32-bit words -> [n, 4, 2] E4M3 bytes (word k, half)."""
-    code, lut, _ = _header_constants()
-    x = words.to(torch.int64) & 0xFFFFFFFF
-    sg = x & 0x88888888
-    rot4 = ((sg << 4) | (sg >> 28)) & 0xFFFFFFFF          # __funnelshift_l(sg, sg, 4)
-    mask = torch.full_like(x, code)
-    even = _lop3((x << 2) & 0xFFFFFFFF, rot4, mask, lut)
-    odd = _lop3(x >> 2, sg, mask, lut)
-    byte = lambda w, i: (w >> (8 * i)) & 0xFF
-    return torch.stack([torch.stack([byte(even, 0), byte(even, 1)], -1), torch.stack([byte(even, 2), byte(even, 3)], -1),
-                        torch.stack([byte(odd, 0), byte(odd, 1)], -1), torch.stack([byte(odd, 2), byte(odd, 3)], -1)], 1)
-
-
-def test_kernel_e2m1_dequant_gives_e2m1_over_64_in_the_paired_order():
-    """Every nibble value at every position of a word: the E4M3 byte the kernel builds is e2m1 * 2^-6
-    exactly (signed zero included), and word k half 0/1 holds element e2m1x8_pair_lo/hi(k)."""
-    from mpfa.recipes.fp4 import e2m1_values
-    g = torch.Generator().manual_seed(0)
-    nib = torch.arange(16, dtype=torch.int64)
-    # word j carries nibble value (j + 3 * i) % 16 at position i: every value at every position, and
-    # every pair of neighbours; plus random words.
-    structured = torch.stack([sum(((nib + 3 * i + j) % 16) << (4 * i) for i in range(8)) for j in range(16)]).flatten()
-    words = torch.cat([structured, torch.randint(0, 2 ** 32, (20_000,), generator=g, dtype=torch.int64)])
-    got = _kernel_e2m1x8(words).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    codes = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], 1).to(torch.uint8)   # [n, 8]
-    want = e2m1_values(codes) * 2.0 ** -6
-    lo = [(k & 1) * 4 + (k >> 1) for k in range(4)]
-    hi = [e + 2 for e in lo]
-    assert sorted(lo + hi) == list(range(8))
-    assert torch.equal(got[:, :, 0], want[:, lo]) and torch.equal(got[:, :, 1], want[:, hi])
-    neg_zero = (codes == 8)[:, lo]   # -0 stays -0 (the old table path gave -0 as well)
-    assert torch.equal(torch.signbit(got[:, :, 0]) & neg_zero, neg_zero)
-
-
-def test_kernel_k4_dequant_product_is_exact_for_every_block_scale():
-    """K = fp16(e2m1 * 2^-6) * fp16(block_scale * 64) (HMUL2, round to nearest) equals e2m1 * block_scale
-    exactly, i.e. the fp16 K the old path (fp16(e2m1) * fp16(block_scale)) produced, bit for bit: for
-    every block scale the format stores and every finite E4M3 scale (plain E4M3 block scales are the
-    planned format change)."""
-    from mpfa.recipes.fp4 import E2M1_VALUES, allowed_block_scales
-    _, _, mult = _header_constants()
-    assert torch.tensor([mult & 0xFFFF], dtype=torch.int16).view(torch.float16).item() == 64.0
-    assert mult >> 16 == mult & 0xFFFF
-    e4m3 = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    scales = torch.cat([torch.tensor(allowed_block_scales()), e4m3[torch.isfinite(e4m3) & (e4m3 > 0)]])
-    vals = torch.tensor(E2M1_VALUES[1:] + tuple(-v for v in E2M1_VALUES[1:]))
-    a = (vals * 2.0 ** -6).to(torch.float16)                          # the E4M3 byte, converted exactly
-    m = (scales.to(torch.float16) * torch.tensor(64.0, dtype=torch.float16))   # HMUL2 by 64: exact
-    assert torch.equal(m.double(), scales.double() * 64)
-    new = a[:, None] * m[None, :]                                       # fp16 multiply, rounded
-    old = vals.to(torch.float16)[:, None] * scales.to(torch.float16)[None, :]
-    exact = vals.double()[:, None] * scales.double()[None, :]
-    assert torch.equal(new.double(), exact) and torch.equal(new.view(torch.int16), old.view(torch.int16))
 
 
 def test_split_count_fills_whole_waves_of_resident_ctas():

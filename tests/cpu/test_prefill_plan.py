@@ -1,6 +1,6 @@
 """The prefill kernel's host side without a GPU: specs, the tile schedule, workspace sizing, the
-template's rendering, and nvcc builds for sm_90a with a SASS check (QGMMA for the FP8 recipes,
-HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled) and
+template's rendering, and nvcc builds for sm_90a with a SASS check (IGMMA for the quantized recipes'
+QK and QGMMA for their PV, HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled) and
 the library's PrefillParams against its ctypes mirror."""
 import ctypes
 import re
@@ -130,8 +130,8 @@ def test_plan_on_cpu_needs_reference_backend():
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("recipe,head_dim,page_size,mma", [
-    ("qk4pv8", 128, 16, "QGMMA.64x128x32.F32.E4M3.E4M3"), ("qk8pv8", 128, 1, "QGMMA.64x128x32.F32.E4M3.E4M3"),
-    ("bf16", 128, 64, "HGMMA.64x128x16.F32.BF16"), ("qk4pv8", 64, 32, "QGMMA.64x128x32.F32.E4M3.E4M3")])
+    ("qk4pv8", 128, 16, "IGMMA.64x128x32.S8.S8"), ("qk8pv8", 128, 1, "IGMMA.64x128x32.S8.S8"),
+    ("bf16", 128, 64, "HGMMA.64x128x16.F32.BF16"), ("qk4pv8", 64, 32, "IGMMA.64x128x32.S8.S8")])
 def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mma, jit_cache, sass_tools,
                                                  kernel_resources):
     cuobjdump, tool_env = sass_tools
@@ -146,7 +146,8 @@ def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mm
     sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
     assert sass.returncode == 0, sass.stderr
     assert mma in sass.stdout                                        # QK on the tensor cores (wgmma)
-    pv = (f"QGMMA.64x{head_dim}x32.F32.E4M3.E4M3" if recipe != "bf16" else f"HGMMA.64x{head_dim}x16.F32.BF16")
+    # FP8 PV in n64 column parts at head_dim 128 (the part accumulator)
+    pv = (f"QGMMA.64x64x32.F32.E4M3.E4M3" if recipe != "bf16" else f"HGMMA.64x{head_dim}x16.F32.BF16")
     assert pv in sass.stdout                                         # PV on the tensor cores, P from registers
     assert "UBLKCP.S.G" in sass.stdout                               # bulk copies of the tile images
     assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in sass.stdout           # mbarrier waits

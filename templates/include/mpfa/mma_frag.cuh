@@ -2,11 +2,10 @@
 // packing): cp.async, mma.sync m16n8k16, movmatrix, and
 // in-register conversions of the cache formats into MMA fragments.
 //
-// Exactness: e4m3 and block_scale * e2m1 (block scales 2^e or 1.5 * 2^e, |product| <= 384) are
-// exactly representable in fp16, so quantized K and V run fp16 MMAs with no rounding of the cache
-// (4-bit K is built as (e2m1 * 2^-6) * (block_scale * 2^6): both factors and the product exact);
-// bf16 Q is converted to fp16 (exact in fp16's normal range; the kernel pre-scales Q by a power
-// of two when its amax is large).
+// Exactness: INT8 K (|x| <= 127), i4rs K's products b * q (|.| <= 126) and E4M3 V are exactly
+// representable in fp16, and every conversion below produces them with no rounding, so quantized K and
+// V run fp16 MMAs on the cache's exact values; bf16 Q is converted to fp16 (exact in fp16's normal
+// range; the kernel pre-scales Q by a power of two when its amax is large).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -76,11 +75,12 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return r;
 }
 
-// (a & mask) | (b & ~mask) as one lop3.b32 (LUT 0xE4 = (0xF0 & 0xAA) | (0xCC & ~0xAA)).
+// (a & kMask) ^ c as one lop3.b32 (LUT 0x6A = (0xF0 & 0xCC) ^ 0xAA). Written in C with c a constant too,
+// ptxas splits it into two LOP3s (one immediate operand each); here c lives in a register.
 template <uint32_t kMask>
-__device__ __forceinline__ uint32_t lop3_select(uint32_t a, uint32_t b) {
+__device__ __forceinline__ uint32_t lop3_and_xor(uint32_t a, uint32_t c) {
   uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;\n" : "=r"(r) : "r"(a), "r"(b), "n"(kMask));
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(r) : "r"(a), "n"(kMask), "r"(c));
   return r;
 }
 
@@ -98,32 +98,8 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t four_bytes) {
   return r;
 }
 
-// Eight E2M1 nibbles (element i in nibble i, sign << 3 | code) -> four f16x2 words holding
-// e2m1 * 2^-6 exactly, in the pairs (0, 2), (4, 6), (1, 3), (5, 7) (callers permute Q the same way).
-// Why it is cheap: an E2M1 code placed at bits 2..4 of a byte, with its sign at bit 7, is the E4M3
-// byte of e2m1 * 2^-6 for every code (codes 0 and 1 land on E4M3's zero and subnormal 2^-7, as the
-// E2M1 zero and subnormal 0.5 need), so one shift + one masked merge per 4 nibbles builds E4M3 bytes
-// and the hardware's e4m3x2 -> f16x2 conversion does the rest: 10 instructions per 8 values, where a
-// byte table per nibble pair took 19 (and 2 registers of table constants).
-__device__ __forceinline__ void e2m1x8_to_f16x2_scaled(uint32_t x, uint32_t (&out)[4]) {
-  constexpr uint32_t kCode = 0x1C1C1C1Cu;    // bits 2..4 of each byte: the E2M1 code
-  const uint32_t sg = x & 0x88888888u;       // signs of both nibbles of each byte (bits 3, 7)
-  // (a & kCode) | (b & ~kCode) in one lop3: the sign terms have nothing outside kCode but bit 7 of
-  // each byte (their bit 3 lies inside kCode). Written in C, the compiler rewrites (sg << 4) & ~kCode
-  // as (x << 4) & 0x80808080 and splits the merge into two lop3s; and ptxas re-derives sg << 4 from x
-  // (two instructions) unless it is a rotate, whose wrapped-around bit (31 -> 3) kCode drops anyway.
-  const uint32_t even = lop3_select<kCode>(x << 2, __funnelshift_l(sg, sg, 4));   // nibble 2k -> byte k
-  const uint32_t odd = lop3_select<kCode>(x >> 2, sg);         // nibble 2k+1 -> byte k
-  out[0] = e4m3x2_to_f16x2(even);
-  out[1] = e4m3x2_hi_to_f16x2(even);
-  out[2] = e4m3x2_to_f16x2(odd);
-  out[3] = e4m3x2_hi_to_f16x2(odd);
-}
-// Local element (of 8 per word) in the low / high half of output word k above.
-__host__ __device__ constexpr int e2m1x8_pair_lo(int k) { return (k & 1) * 4 + (k >> 1); }
-__host__ __device__ constexpr int e2m1x8_pair_hi(int k) { return e2m1x8_pair_lo(k) + 2; }
-
-// (lo, lo) and (hi, hi) of an f16x2: ptxas folds these into HMUL2's operand swizzle (.H0_H0 / .H1_H1).
+// (lo, lo) and (hi, hi) of an f16x2: ptxas folds these into HMUL2's / HFMA2's operand swizzle (.H0_H0 /
+// .H1_H1).
 __device__ __forceinline__ uint32_t low_half2(uint32_t a) {
   __half2 h = __low2half2(*reinterpret_cast<__half2*>(&a));
   return *reinterpret_cast<uint32_t*>(&h);
@@ -137,6 +113,61 @@ __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
 }
+
+// fp16 arithmetic on f16x2 words. In the integer conversions below every operation's exact result (an
+// HFMA2's product as well as its sum) is an fp16 value, so nothing is ever rounded.
+__device__ __forceinline__ uint32_t hfma2_u32(uint32_t a, uint32_t b, uint32_t c) {
+  __half2 r = __hfma2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b), *reinterpret_cast<__half2*>(&c));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t hsub2_u32(uint32_t a, uint32_t b) {
+  __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// Four INT8 bytes (two's complement, byte i = element i) -> f16x2 words lo = (x0, x1), hi = (x2, x3),
+// exactly. x ^ 0x80 is the unsigned byte x + 128; under the high byte 0x64 it is the fp16 1024 + x + 128
+// (fp16's ulp on [1024, 2048) is 1, so each of the 256 bytes is one mantissa), and subtracting 1152
+// leaves the integer x, which fp16 holds exactly (the subtraction's exact result is representable, so
+// it is not rounded). 5 instructions per 4 values: one LOP3, two PRMT, two HADD2.
+__device__ __forceinline__ void s8x4_to_f16x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  constexpr uint32_t kExp = 0x64646464u;    // fp16 high byte of 1024
+  constexpr uint32_t kBias = 0x64806480u;   // fp16 1152 = 1024 + 128 in both halves
+  const uint32_t u = w ^ 0x80808080u;
+  lo = hsub2_u32(prmt(u, kExp, 0x4140), kBias);
+  hi = hsub2_u32(prmt(u, kExp, 0x4342), kBias);
+}
+
+// The per-row factor of s4x8_to_f16x2_scaled: (b / 16, -72 b) as an f16x2 from an i4rs block-scale
+// byte b in 1..18 (bits 8.. of b_byte are ignored). 0x64 over b is the fp16 1024 + b, and 1024 + b - 1024
+// = b exactly; b / 16 and -72 b are exact products (|72 b| <= 1296 = 81 * 16: 7 significant bits).
+// Immediate operands only: no constant register at the 128-register cap.
+__device__ __forceinline__ uint32_t i4rs_block_scale_f16x2(uint32_t b_byte) {
+  const uint32_t t = (b_byte & 0xFFu) | 0x6400u;               // low half: 1024 + b
+  const uint32_t b2 = hsub2_u32(low_half2(t), 0x64006400u);    // (b, b)
+  return hmul2_u32(b2, 0xD4802C00u);                           // * (1/16, -72)
+}
+
+// Eight INT4 nibbles (element i in nibble i, q's 4-bit two's complement, q in [-7, 7]) times their
+// block scale b -> four f16x2 words holding b * q exactly, in the pairs (0, 4), (1, 5), (2, 6), (3, 7)
+// (callers permute Q the same way). scale = i4rs_block_scale_f16x2(b). Each nibble lands at bits 4..7
+// of an fp16 whose high byte is 0x64, flipped by ^ 8 to q + 8 in 1..15: the fp16 1024 + 16 (q + 8) =
+// 16 (72 + q); one HFMA2 with (b / 16, -72 b) gives b (72 + q) - 72 b = b q: the product (an integer
+// below 2048), the constants (see above) and the result (|b q| <= 126) are all fp16 values.
+// Per 8 values: 3 shifts, 4 LOP3 ((y & mask) ^ 0x64806480 sets the exponent and flips the nibble's
+// sign bit at once), 4 HFMA2.
+__device__ __forceinline__ void s4x8_to_f16x2_scaled(uint32_t w, uint32_t scale, uint32_t (&out)[4]) {
+  constexpr uint32_t kMask = 0x00F000F0u;    // bits 4..7 of each half
+  constexpr uint32_t kExpSign = 0x64806480u; // the exponent of 1024 and the nibble's bit 3 (at bit 7)
+  const uint32_t b = low_half2(scale), off = high_half2(scale);
+  out[0] = hfma2_u32(lop3_and_xor<kMask>(w << 4, kExpSign), b, off);   // nibbles 0, 4
+  out[1] = hfma2_u32(lop3_and_xor<kMask>(w, kExpSign), b, off);        // nibbles 1, 5
+  out[2] = hfma2_u32(lop3_and_xor<kMask>(w >> 4, kExpSign), b, off);   // nibbles 2, 6
+  out[3] = hfma2_u32(lop3_and_xor<kMask>(w >> 8, kExpSign), b, off);   // nibbles 3, 7
+}
+// Local element (of 8 per word) in the low / high half of output word k above.
+__host__ __device__ constexpr int s4x8_pair_lo(int k) { return k; }
+__host__ __device__ constexpr int s4x8_pair_hi(int k) { return k + 4; }
 
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);

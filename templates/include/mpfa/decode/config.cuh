@@ -12,7 +12,8 @@ namespace {
 
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTile = 16 * kWarps;                      // tokens per stage: 16 per warp
-// Quantized recipes: fp16 MMAs, E4M3 V, one FP32 scale per (token, head) of K.
+// Quantized recipes: fp16 MMAs on integer K (INT8, or i4rs's INT8 half and INT4 * block scale) and
+// E4M3 V, one FP32 scale per (token, head) of K.
 constexpr bool kQuant = Layout::kQuantK;
 static_assert(Layout::kQuantK == Layout::kQuantV, "the fp16 path dequantizes K and V together");
 static_assert(kGroup >= 1 && kGroup <= 8, "group size (query heads per KV head) must be 1..8");
@@ -48,13 +49,13 @@ static_assert(kSmemBytes * kMinBlocks + 1024 * kMinBlocks <= 228 * 1024, "kMinBl
 
 // K operand: each thread of a quad (c = lane % 4) holds a quarter of a key row, kKB bytes, read as
 // 16-byte chunks c, c + 4, ... (8 bytes at 8c for qk4pv8 d64). Dims per 16-byte chunk:
-// qk4pv8: a quarter of the reduction is kK8B E4M3 bytes (k8 bytes [c kK8B, (c+1) kK8B)) then 2 kK8B nibbles
+// qk4pv8: a quarter of the reduction is kK8B INT8 bytes (k8 bytes [c kK8B, (c+1) kK8B)) then 2 kK8B nibbles
 // (k bytes [c kK4B, (c+1) kK4B), high-frequency channels [c kK8B, (c+1) kK8B), inside block c * kK8B / 16).
 constexpr int kKB = Layout::k_bytes / 4;
 constexpr int kKChunkDims = kQuant ? 16 : 8;
 constexpr int kKWords = kKB / 4;
 // (placeholders of 4 for the other recipes: their kernels instantiate the split-K branch too)
-constexpr int kK8B = Layout::kSplitK ? Layout::k8_bytes / 4 : 4;   // split K: E4M3 bytes per thread per row
+constexpr int kK8B = Layout::kSplitK ? Layout::k8_bytes / 4 : 4;   // split K: INT8 bytes per thread per row
 constexpr int kK4B = Layout::kSplitK ? Layout::k_bytes / 4 : 4;    // split K: nibble bytes per thread per row
 constexpr int kSteps = kHeadDim / 16;                  // k16 steps of the QK MMA
 // V operand: thread (g, c) reads rows 4c..4c+3 of its warp's 16, channels [g*kDV, (g+1)*kDV).

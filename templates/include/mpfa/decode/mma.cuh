@@ -3,9 +3,9 @@
 //   S^T = K Q^T: A = 16 tokens x 16 dims of K (rows g -> token tA(g) = 4(g/2) + g%2, rows g+8 ->
 //     tA(g) + 2), B = Q^T held in registers for the whole kernel. The reduction (head_dim) is permuted
 //     so each thread's K operand is a contiguous quarter of the row (one 16-byte shared load).
-//     Quantized K is dequantized in registers to fp16 *without* its per-token scale (exact: e4m3, or
-//     e2m1 * block scale); the token scale, sm_scale and log2(e) multiply the score rows afterwards
-//     (softmax.cuh).
+//     Quantized K is dequantized in registers to fp16 *without* its per-token scale: the integers
+//     themselves (exact: INT8, or INT4 q times its integer block scale b, |b q| <= 126); the token
+//     scale, sm_scale and log2(e) multiply the score rows afterwards (softmax.cuh).
 //   O^T += V^T P^T: B = P^T, the S^T accumulator packed to fp16 (bf16 for the bf16 recipe) and
 //     transposed per 8x8 half with movmatrix; A = V^T (e4m3 -> fp16 exact, or bf16): thread (g, c)
 //     reads token rows 4c..4c+3 and channels [g*D/8, (g+1)*D/8) and pairs bytes of two rows with prmt.
@@ -73,7 +73,8 @@ __device__ __forceinline__ float load_q_fragment(const DecodeParams& p, int b, i
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    // fp16 holds bf16 exactly in its normal range; a power of two keeps |Q| <= 2^13 (|K| <= 448).
+    // fp16 holds bf16 exactly in its normal range; a power of two keeps |Q| <= 2^13, so with the
+    // integer K (|K| <= 127) every product stays below 2^20 and a row's score below 2^27.
     const float qs = amax > 8192.f ? exp2f(-ceilf(log2f(amax / 8192.f))) : 1.f;
     q_unscale = 1.f / qs;
 #pragma unroll
@@ -81,11 +82,11 @@ __device__ __forceinline__ float load_q_fragment(const DecodeParams& p, int b, i
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw[v]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        // 4-bit K words come out of the dequant in the channel pairs e2m1x8_pair_lo/hi; Q follows
+        // 4-bit K words come out of the dequant in the channel pairs s4x8_pair_lo/hi; Q follows
         // (qk4pv8: only the nibble dims, local dims kK8B and up).
         const bool nibbles = Layout::kSplitK && 8 * v >= kK8B;
-        const int lo = nibbles ? mpfa::e2m1x8_pair_lo(i) : 2 * i;
-        const int hi = nibbles ? mpfa::e2m1x8_pair_hi(i) : 2 * i + 1;
+        const int lo = nibbles ? mpfa::s4x8_pair_lo(i) : 2 * i;
+        const int hi = nibbles ? mpfa::s4x8_pair_hi(i) : 2 * i + 1;
         qf[4 * v + i] = mpfa::pack_f16x2(__bfloat162float(h[lo]) * qs, __bfloat162float(h[hi]) * qs);
       }
     }
@@ -121,43 +122,39 @@ __device__ __forceinline__ void qk_scores(const uint8_t* st, int wrow, int tA, i
                        qf[2 * ks + 1]);
     } else {
 #pragma unroll
-      for (int ks = 0; ks < kSteps; ++ks)
-        mpfa::mma_f16(s, mpfa::e4m3x2_to_f16x2(kw[0][ks]), mpfa::e4m3x2_to_f16x2(kw[1][ks]),
-                      mpfa::e4m3x2_hi_to_f16x2(kw[0][ks]), mpfa::e4m3x2_hi_to_f16x2(kw[1][ks]), qf[2 * ks],
-                      qf[2 * ks + 1]);
+      for (int ks = 0; ks < kSteps; ++ks) {
+        uint32_t a0, a1, a2, a3;   // INT8 -> fp16: word ks's bytes (0, 1) and (2, 3) of both rows
+        mpfa::s8x4_to_f16x2(kw[0][ks], a0, a2);
+        mpfa::s8x4_to_f16x2(kw[1][ks], a1, a3);
+        mpfa::mma_f16(s, a0, a1, a2, a3, qf[2 * ks], qf[2 * ks + 1]);
+      }
     }
   } else {
-    // qk4pv8: the thread's kK8B E4M3 bytes (the qk8pv8 path), then its kK8B nibbles, all in one block
-    // (c * kK8B / 16) whose scale * 2^6 (exact in fp16: <= 4096) multiplies the E2M1 values dequantized
-    // with 2^-6, so K is bit-identical to e2m1 * block_scale.
+    // qk4pv8 (i4rs): the thread's kK8B INT8 bytes (the qk8pv8 path), then its kK8B nibbles, all in one
+    // block (c * kK8B / 16) whose integer scale b the nibble dequant folds in, so K is exactly b * q.
     uint32_t k8w[2][kK8B / 4], k4w[2][kK4B / 4], bsm[2];
-    const uint32_t k64 = 0x54005400u;   // fp16 64.0 in both halves
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = wrow + tA + 2 * r;
       load_words<kK8B>(st + kOffK8 + row * Layout::k8_bytes + c * kK8B, k8w[r]);
       load_words<kK4B>(st + kOffK + row * Layout::k_bytes + c * kK4B, k4w[r]);
-      const uint32_t bs = st[kOffBs + row * Layout::k_block_scale_bytes + c * kK8B / 16];
-      bsm[r] = mpfa::hmul2_u32(mpfa::e4m3x2_to_f16x2(bs | (bs << 8)), k64);
+      bsm[r] = mpfa::i4rs_block_scale_f16x2(st[kOffBs + row * Layout::k_block_scale_bytes + c * kK8B / 16]);
     }
 #pragma unroll
-    for (int ks = 0; ks < kK8B / 4; ++ks)
-      mpfa::mma_f16(s, mpfa::e4m3x2_to_f16x2(k8w[0][ks]), mpfa::e4m3x2_to_f16x2(k8w[1][ks]),
-                    mpfa::e4m3x2_hi_to_f16x2(k8w[0][ks]), mpfa::e4m3x2_hi_to_f16x2(k8w[1][ks]), qf[2 * ks],
-                    qf[2 * ks + 1]);
+    for (int ks = 0; ks < kK8B / 4; ++ks) {
+      uint32_t a0, a1, a2, a3;
+      mpfa::s8x4_to_f16x2(k8w[0][ks], a0, a2);
+      mpfa::s8x4_to_f16x2(k8w[1][ks], a1, a3);
+      mpfa::mma_f16(s, a0, a1, a2, a3, qf[2 * ks], qf[2 * ks + 1]);
+    }
     constexpr int q0 = kK8B / 2;   // Q registers of the nibble dims
 #pragma unroll
     for (int w = 0; w < kK4B / 4; ++w) {
       uint32_t ka[4], kb[4];
-      mpfa::e2m1x8_to_f16x2_scaled(k4w[0][w], ka);
-      mpfa::e2m1x8_to_f16x2_scaled(k4w[1][w], kb);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        ka[i] = mpfa::hmul2_u32(ka[i], bsm[0]);
-        kb[i] = mpfa::hmul2_u32(kb[i], bsm[1]);
-      }
-      // word w holds nibble dims 8w..8w+7; k-step 2w takes the pairs (0, 2) and (4, 6) of them,
-      // k-step 2w+1 the pairs (1, 3) and (5, 7) (Q is packed in the same pairs)
+      mpfa::s4x8_to_f16x2_scaled(k4w[0][w], bsm[0], ka);
+      mpfa::s4x8_to_f16x2_scaled(k4w[1][w], bsm[1], kb);
+      // word w holds nibble dims 8w..8w+7; k-step 2w takes the pairs (0, 4) and (1, 5) of them,
+      // k-step 2w+1 the pairs (2, 6) and (3, 7) (Q is packed in the same pairs)
       mpfa::mma_f16(s, ka[0], kb[0], ka[1], kb[1], qf[q0 + 4 * w], qf[q0 + 4 * w + 1]);
       mpfa::mma_f16(s, ka[2], kb[2], ka[3], kb[3], qf[q0 + 4 * w + 2], qf[q0 + 4 * w + 3]);
     }

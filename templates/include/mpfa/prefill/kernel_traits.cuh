@@ -12,9 +12,10 @@
 
 namespace {
 
-// Quantized recipes run FP8 MMAs (QGMMA) on e4m3 Q, K, P and V; bf16 runs HGMMA.
+// Quantized recipes run the QK MMA on INT8 Q and K (IGMMA) and the PV MMA on e4m3 P and V (QGMMA), both
+// with 1-byte elements in the same tile layouts; bf16 runs HGMMA.
 constexpr bool kQuant = Layout::kQuantK;
-static_assert(Layout::kQuantK == Layout::kQuantV, "the FP8 path quantizes K and V together");
+static_assert(Layout::kQuantK == Layout::kQuantV, "the quantized path quantizes K and V together");
 static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 
 constexpr int kE = kQuant ? 1 : 2;                  // bytes per MMA element
@@ -82,7 +83,7 @@ constexpr int kSmemUsed = kOffBar + 3 * kStages * 8;
 constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base to 1024 bytes
 static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "MMA tiles 1024-aligned");
 
-// 4 floats -> 4 e4m3 bytes (the FP8 Q tile and P fragment).
+// 4 floats -> 4 e4m3 bytes (the FP8 P fragment).
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
   return uint32_t(mpfa::to_e4m3x2(a, b)) | (uint32_t(mpfa::to_e4m3x2(c, d)) << 16);
 }

@@ -1,6 +1,7 @@
 // The consumer warpgroups' main loop over an item's KV tiles: MMA issue (S = Q K^T with both operands in
-// shared memory; O += P V^T with P from registers) around the softmax, software-pipelined inside the
-// warpgroup: while the tensor cores run S(t) and then P(t-1) V(t-1), the warps do the softmax of tile t.
+// shared memory, INT8 for the quantized recipes; O += P V^T with P from registers) around the softmax,
+// software-pipelined inside the warpgroup: while the tensor cores run S(t) and then P(t-1) V(t-1), the warps
+// do the softmax of tile t.
 // FP8: P V lands in its own accumulator (two-level accumulation) and is folded in as O = O * corr + O_part
 // once it completes, in kParts column parts; bf16: O is rescaled before its MMA accumulates into it.
 // With kPingPong the two warpgroups take turns issuing (named barriers 2 and 3), so one warpgroup's softmax
@@ -15,11 +16,12 @@
 
 namespace {
 
-// Shape dispatch on the accumulator size (dependent, so only the recipe's shape is instantiated).
+// Shape dispatch on the accumulator size (dependent, so only the recipe's shape is instantiated). Quantized
+// recipes: INT8 Q and K, S as int32 bit patterns (softmax_max converts them).
 template <int NR>
 __device__ __forceinline__ void mma_qk(float (&d)[NR], uint64_t da, uint64_t db, int scale_d) {
   static_assert(NR == 64, "S holds 128 keys");
-  if constexpr (kQuant) mpfa::wg::mma_ss_e4m3_n128(d, da, db, scale_d);
+  if constexpr (kQuant) mpfa::wg::mma_ss_s8_n128(d, da, db, scale_d);
   else mpfa::wg::mma_ss_bf16_n128(d, da, db, scale_d);
 }
 template <int NR>

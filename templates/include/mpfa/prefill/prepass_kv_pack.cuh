@@ -1,9 +1,12 @@
 // Pre-pass: the paged cache -> MMA-ready tile images in the workspace, one block per (KV tile part, KV head):
-//   K: kBN keys x D, e4m3 or bf16, K-major, swizzled exactly as the main kernel's shared memory;
+//   K: kBN keys x D, INT8 (quantized recipes) or bf16, K-major, swizzled exactly as the main kernel's shared
+//     memory; qk4pv8's row becomes one INT8 row: the low-frequency channels' bytes as they are, each INT4
+//     nibble q times its block's integer scale b (an INT8 value by construction, recipes/int8.py i4rs_to_int8);
 //   V^T: D x kBN, keys contiguous and permuted for the FP8 P fragment (kv_key);
 //   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
-//   fb[hq]_j = (mu_Q[hq] . K8_j) * k_scale_j * sm_scale * log2 e, at fac_pos(j); zeros past the request's length.
-// Why images: the 4-bit K -> e4m3 conversion and the V transpose run once per (key, KV head) instead of
+//   fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * sm_scale * log2 e (Kint_j the INT8 row), at fac_pos(j); zeros
+//   past the request's length.
+// Why images: the 4-bit K -> INT8 expansion and the V transpose run once per (key, KV head) instead of
 // once per (query tile, query head) that reads the key, the main loop's loads become a few bulk copies,
 // and no conversion sits on the MMA warps' critical path. The pass costs (read compressed + write ~2 bytes
 // per element) / HBM bandwidth, under 1% of the attention time at the shapes this kernel is for.
@@ -12,9 +15,7 @@
 // reads of the compensation dot product are conflict-free) and raw V rows, then written out in image order
 // (consecutive threads write consecutive 16-byte chunks).
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include "mpfa/mma_frag.cuh"
+#include <cstdint>
 #include "mpfa/quant.cuh"
 #include "mpfa/wgmma.cuh"
 #include "mpfa/prefill/kernel_traits.cuh"
@@ -23,8 +24,8 @@
 
 namespace {
 
-// A pack block stages kPackKeys keys: the whole tile for FP8, half of it for bf16 (a 128-key bf16 tile
-// would need 68 KB, past the 48 KB of static shared memory): blockIdx.x = tile * kPackParts + part.
+// A pack block stages kPackKeys keys: the whole tile for 1-byte elements, half of it for bf16 (a 128-key
+// bf16 tile would need 68 KB, past the 48 KB of static shared memory): blockIdx.x = tile * kPackParts + part.
 constexpr int kPackKeys = kQuant ? kBN : kBN / 2;
 constexpr int kPackParts = kBN / kPackKeys;
 constexpr int kStRow = kQKRow + 16;
@@ -45,41 +46,15 @@ __device__ __forceinline__ int kv_key(int q) {
   }
 }
 
-// 8 E2M1 nibbles (element 2k in the low nibble of byte k) -> 4 f16x2 of their values, exactly: a byte
-// permute looks each magnitude's fp16 high byte up in two constant words, the sign is copied over.
-__device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t x, uint32_t (&out)[4]) {
-  constexpr uint32_t kLutLo = 0x3E3C3800u;   // fp16 high bytes of 0, 0.5, 1, 1.5
-  constexpr uint32_t kLutHi = 0x46444240u;   // of 2, 3, 4, 6
-  const uint32_t xs = x << 4;
-  const uint32_t even = xs & 0x70707070u;    // |code| of element 2k in bits 4..6 of byte k
-  const uint32_t odd = x & 0x70707070u;      // |code| of element 2k+1 in bits 4..6 of byte k
+// 16 channels of INT4 K (8 bytes of 4-bit two's-complement nibbles, element 2i in the low nibble of byte i;
+// one unsigned integer block scale b in 1..18) -> 16 int8 bytes b * q, exactly (|b * q| <= 126).
+__device__ __forceinline__ uint4 k4_block_to_s8(uint2 packed, uint32_t b) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t sel = __byte_perm(even, odd, k | ((4 + k) << 4));          // nibbles 1, 3 = codes
-    const uint32_t mag = __byte_perm(kLutLo, kLutHi, sel);                    // bytes 1, 3 = fp16 highs
-    const uint32_t sgn = __byte_perm(xs, x, (k << 4) | ((4 + k) << 12));      // bits 15, 31 = signs
-    out[k] = mag | (sgn & 0x80008000u);
-  }
-}
-
-// 16 channels of 4-bit K (8 bytes of nibbles, one E4M3 block scale) -> 16 e4m3 bytes, exactly:
-// block scales are restricted so that every block_scale * e2m1 product is an e4m3 value.
-__device__ __forceinline__ uint4 k4_block_to_e4m3(uint2 packed, uint32_t bs_byte) {
-  const uint32_t bs = mpfa::e4m3x2_to_f16x2(bs_byte * 0x0101u);
-  uint32_t lo[4], hi[4], h[8];
-  e2m1x8_to_f16x2(packed.x, lo);
-  e2m1x8_to_f16x2(packed.y, hi);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) { h[j] = mpfa::hmul2_u32(lo[j], bs); h[4 + j] = mpfa::hmul2_u32(hi[j], bs); }
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    __half2_raw a, bb;
-    a.x = static_cast<unsigned short>(h[2 * j] & 0xFFFFu); a.y = static_cast<unsigned short>(h[2 * j] >> 16);
-    bb.x = static_cast<unsigned short>(h[2 * j + 1] & 0xFFFFu); bb.y = static_cast<unsigned short>(h[2 * j + 1] >> 16);
-    const uint32_t e0 = __nv_cvt_halfraw2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3);
-    const uint32_t e1 = __nv_cvt_halfraw2_to_fp8x2(bb, __NV_SATFINITE, __NV_E4M3);
-    w[j] = (e0 & 0xFFFFu) | (e1 << 16);
+  for (int k = 0; k < 16; ++k) {
+    const uint32_t word = k < 8 ? packed.x : packed.y;
+    const int q = static_cast<int>(word << (28 - 4 * (k % 8))) >> 28;   // sign-extended nibble
+    w[k / 4] |= (static_cast<uint32_t>(q * static_cast<int>(b)) & 0xFFu) << (8 * (k % 4));
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
@@ -107,13 +82,13 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
     if (key < valid) {
       const int64_t row = row_of(key);
       if constexpr (Layout::kSplitK) {
-        // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are E4M3 bytes already
+        // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
         const int idx = mpfa::k4rs_index<kHeadDim>(16 * c16);   // within its half
         if (mpfa::k4rs_low<kHeadDim>(16 * c16))
           w = *reinterpret_cast<const uint4*>(p.k8 + row * kK8Row + idx);
         else
-          w = k4_block_to_e4m3(*reinterpret_cast<const uint2*>(p.k + row * kKRow + idx / 2),
-                               uint32_t(p.k_block_scale[row * kBsRow + idx / 16]));
+          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * kKRow + idx / 2),
+                             uint32_t(p.k_block_scale[row * kBsRow + idx / 16]));
       } else {
         w = *reinterpret_cast<const uint4*>(p.k + row * kKRow + 16 * c16);
       }
@@ -186,7 +161,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
   }
   if constexpr (kQuant) {
     if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = ks[tid] * p.score_scale;
-    // Compensation: fb[hq]_j = (mu_Q[hq] . K8_j) * k_scale_j * score_scale for the group's heads.
+    // Compensation: fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * score_scale for the group's heads.
     if (p.fb != nullptr) {
       const int key = tid % kBN;
       const int group = p.num_qo_heads / p.num_kv_heads;
@@ -201,15 +176,10 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
           const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const uint32_t h01 = mpfa::e4m3x2_to_f16x2(w[q] & 0xFFFFu);
-            const uint32_t h23 = mpfa::e4m3x2_to_f16x2(w[q] >> 16);
-            const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&h01));
-            const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&h23));
             const float* mc = m + 16 * c16 + 4 * q;
-            dot = fmaf(mc[0], f01.x, dot);
-            dot = fmaf(mc[1], f01.y, dot);
-            dot = fmaf(mc[2], f23.x, dot);
-            dot = fmaf(mc[3], f23.y, dot);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)   // int8 -> float is exact
+              dot = fmaf(mc[e], static_cast<float>(static_cast<int8_t>(w[q] >> (8 * e))), dot);
           }
         }
         p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * ks[key] * p.score_scale;

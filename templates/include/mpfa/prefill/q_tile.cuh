@@ -1,9 +1,13 @@
 // The consumers' Q tile: kBM rows of one query head into shared memory as the QK MMA's A operand
-// (swizzled like the K image). Quantized recipes smooth it by mu_Q and quantize it to e4m3 with one scale
-// for the tile (amax / 448, one amax over the tile through named barrier 1).
+// (swizzled like the K image). Quantized recipes smooth it by mu_Q and quantize it to INT8 with one scale
+// for the tile (amax / 127, one amax over the tile's valid rows through named barrier 1), byte for byte as
+// python/mpfa/recipes/int8.py quantize_q_per_tile. The amax propagates NaN: a tile holding a NaN or an
+// infinity gets a NaN scale, which the softmax multiplies into every score of the tile.
 #pragma once
 #include <cuda_bf16.h>
+#include "mpfa/common.cuh"
 #include "mpfa/pipeline.cuh"
+#include "mpfa/quant.cuh"
 #include "mpfa/wgmma.cuh"
 #include "mpfa/prefill/kernel_traits.cuh"
 #include "mpfa/prefill/params.cuh"
@@ -46,25 +50,26 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
         const float2 f = __bfloat1622float2(h2[k]);
         x[i][2 * k] = f.x - m[2 * k];
         x[i][2 * k + 1] = f.y - m[2 * k + 1];
-        if (r < rows) amax = fmaxf(amax, fmaxf(fabsf(x[i][2 * k]), fabsf(x[i][2 * k + 1])));
+        if (r < rows) amax = mpfa::max_nan(amax, mpfa::max_nan(fabsf(x[i][2 * k]), fabsf(x[i][2 * k + 1])));
       }
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    for (int off = 16; off > 0; off >>= 1) amax = mpfa::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     if (lane == 0) red[cw] = amax;
     mpfa::pipe::named_sync(1, kConsumers);
     amax = red[0];
 #pragma unroll
-    for (int w = 1; w < kConsumers / 32; ++w) amax = fmaxf(amax, red[w]);
-    sq = amax > 0.f ? amax / 448.f : 1.f;
+    for (int w = 1; w < kConsumers / 32; ++w) amax = mpfa::max_nan(amax, red[w]);
+    sq = mpfa::amax_scale_or_nan(amax, mpfa::kInt8Max);
     const float inv = __frcp_rn(sq);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
       const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
       uint2 q8 = make_uint2(0u, 0u);
       if (r < rows) {
-        q8.x = pack_e4m3x4(x[i][0] * inv, x[i][1] * inv, x[i][2] * inv, x[i][3] * inv);
-        q8.y = pack_e4m3x4(x[i][4] * inv, x[i][5] * inv, x[i][6] * inv, x[i][7] * inv);
+        const float* y = x[i];   // |y * inv| <= 127 (1 + 2^-22): rni needs no clamp
+        q8.x = mpfa::pack_s8x4(__fmul_rn(y[0], inv), __fmul_rn(y[1], inv), __fmul_rn(y[2], inv), __fmul_rn(y[3], inv));
+        q8.y = mpfa::pack_s8x4(__fmul_rn(y[4], inv), __fmul_rn(y[5], inv), __fmul_rn(y[6], inv), __fmul_rn(y[7], inv));
       }
       *reinterpret_cast<uint2*>(smem + kOffQ + mpfa::wg::tile_offset<kW>(r, 8 * ch, kBM)) = q8;
     }

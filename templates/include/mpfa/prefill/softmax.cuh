@@ -1,6 +1,7 @@
 // The consumers' online softmax of one KV tile in the S accumulator (this thread's rows r_lo and r_lo + 8,
 // columns 8j + 2c + {0, 1}), in two phases so that an MMA can be issued between them:
-//   softmax_max: scores scaled (FP8: fa_j * sq * s + fb_j; bf16: score_scale * s), masked, row maxima;
+//   softmax_max: scores scaled (quantized: fa_j * sq * s + fb_j on the INT8 MMA's integer s; bf16:
+//     score_scale * s), masked, row maxima;
 //     m_run advances, l_run takes the factor corr, which O must take too;
 //   softmax_exp: P = exp2(s - base) (FP8: base includes -log2 448, so P lands scaled for e4m3), summed into l_run;
 // then pack_p packs P in registers as the A operand of the PV MMA.
@@ -8,6 +9,7 @@
 #include <math_constants.h>
 #include "mpfa/common.cuh"
 #include "mpfa/mma_frag.cuh"
+#include "mpfa/quant.cuh"
 #include "mpfa/prefill/kernel_traits.cuh"
 #include "mpfa/prefill/params.cuh"
 
@@ -61,8 +63,19 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
         b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
       }
       a2.x *= sq; a2.y *= sq;
+      // S is int32 (|S| <= 128 * 127^2 < 2^22): the float with bits kRoundMagicBits + S is kRoundMagic + S
+      // exactly (one IADD on the integer pipe; I2F would run on the XU pipe, 16 a clock per SM, beside the
+      // softmax's MUFU.EX2), and the key's offset absorbs -kRoundMagic * a (one FFMA per key, not per score).
+      // That offset's rounding errs by at most one integer unit of S (times a), far below the INT8
+      // products' own rounding; subtracting kRoundMagic exactly instead costs an FADD per score (32 more
+      // instructions per tile and thread than the FFMA per key).
+      b2.x = fmaf(-mpfa::kRoundMagic, a2.x, b2.x);
+      b2.y = fmaf(-mpfa::kRoundMagic, a2.y, b2.y);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[4 * j + e] = fmaf(sc[4 * j + e], (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
+      for (int e = 0; e < 4; ++e) {
+        const float x = __uint_as_float(__float_as_uint(sc[4 * j + e]) + mpfa::kRoundMagicBits);
+        sc[4 * j + e] = fmaf(x, (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;

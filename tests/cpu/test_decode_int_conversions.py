@@ -1,0 +1,213 @@
+"""The decode kernel's in-register INT8 / INT4 -> fp16 conversions (templates/include/mpfa/mma_frag.cuh:
+s8x4_to_f16x2, i4rs_block_scale_f16x2, s4x8_to_f16x2_scaled) emulated bit for bit: every K value the
+QK MMA sees must be exactly the integer of the reference (python/mpfa/recipes/int8.py), since the
+kernel dequantizes K without its token scale and runs an fp16 MMA on it.
+
+The fp16 arithmetic is emulated as the hardware does it: the operation's exact result (float64 holds
+every product and sum here exactly) rounded once to fp16. The constants are the header's: a test reads
+them from the functions' bodies, so a change on one side fails here until the emulation follows."""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mpfa.recipes import int8 as I8
+from mpfa.recipes.fp4 import rope_low_channels
+
+MMA_FRAG = Path(__file__).resolve().parents[2] / "templates" / "include" / "mpfa" / "mma_frag.cuh"
+
+# the header's constants, per function
+S8_EXP, S8_FLIP, S8_BIAS, S8_SEL_LO, S8_SEL_HI = 0x64646464, 0x80808080, 0x64806480, 0x4140, 0x4342
+BS_MASK, BS_EXP, BS_BIAS, BS_FACTOR = 0xFF, 0x6400, 0x64006400, 0xD4802C00
+S4_MASK, S4_EXP_SIGN = 0x00F000F0, 0x64806480
+AND_XOR_LUT = 0x6A
+CONSTANTS = {
+    "lop3_and_xor": {AND_XOR_LUT},
+    "s8x4_to_f16x2": {S8_EXP, S8_FLIP, S8_BIAS, S8_SEL_LO, S8_SEL_HI},
+    "i4rs_block_scale_f16x2": {BS_MASK, BS_EXP, BS_BIAS, BS_FACTOR},
+    "s4x8_to_f16x2_scaled": {S4_MASK, S4_EXP_SIGN},
+}
+
+
+def _u32(x):
+    return np.asarray(x, dtype=np.uint64) & 0xFFFFFFFF
+
+
+def _halves(w):
+    """f16x2 words -> (low half, high half) as float64."""
+    w = _u32(w)
+    lo = (w & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
+    hi = (w >> 16).astype(np.uint16).view(np.float16).astype(np.float64)
+    return lo, hi
+
+
+def _pack(lo, hi):
+    """float64 values that are exact fp16 results -> f16x2 words (asserting they round to themselves)."""
+    lo16, hi16 = np.float16(lo), np.float16(hi)
+    assert np.array_equal(lo16.astype(np.float64), lo) and np.array_equal(hi16.astype(np.float64), hi)
+    return _u32(lo16.view(np.uint16).astype(np.uint64) | (hi16.view(np.uint16).astype(np.uint64) << 16))
+
+
+def _round16(x):
+    return np.float16(x).astype(np.float64)
+
+
+def _hfma2(a, b, c):
+    (al, ah), (bl, bh), (cl, ch) = _halves(a), _halves(b), _halves(c)
+    return _pack(_round16(al * bl + cl), _round16(ah * bh + ch))
+
+
+def _hmul2(a, b):
+    (al, ah), (bl, bh) = _halves(a), _halves(b)
+    return _pack(_round16(al * bl), _round16(ah * bh))
+
+
+def _hsub2(a, b):
+    (al, ah), (bl, bh) = _halves(a), _halves(b)
+    return _pack(_round16(al - bl), _round16(ah - bh))
+
+
+def _prmt(a, b, sel):
+    """prmt.b32 default mode with selector nibbles < 8."""
+    a, b = _u32(a), _u32(b)
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return _u32(sum(src[(sel >> (4 * i)) & 7] << np.uint64(8 * i) for i in range(4)))
+
+
+def _lop3(a, b, c, lut):
+    """lop3.b32: result bit = lut bit (a << 2 | b << 1 | c)."""
+    a, b, c = _u32(a), _u32(b), _u32(c)
+    out = np.zeros_like(a)
+    for i in range(8):
+        if (lut >> i) & 1:
+            out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+    return _u32(out)
+
+
+def _broadcast_half(w, half):
+    h = (_u32(w) >> (16 * half)) & 0xFFFF
+    return h | (h << 16)
+
+
+def s8x4_to_f16x2(w):
+    u = _u32(w) ^ S8_FLIP
+    return _hsub2(_prmt(u, S8_EXP, S8_SEL_LO), S8_BIAS), _hsub2(_prmt(u, S8_EXP, S8_SEL_HI), S8_BIAS)
+
+
+def i4rs_block_scale_f16x2(b_byte):
+    t = (_u32(b_byte) & BS_MASK) | BS_EXP
+    b2 = _hsub2(_broadcast_half(t, 0), BS_BIAS)
+    return _hmul2(b2, BS_FACTOR)
+
+
+def s4x8_to_f16x2_scaled(w, scale):
+    w = _u32(w)
+    b, off = _broadcast_half(scale, 0), _broadcast_half(scale, 1)
+    shifted = [w << 4, w, w >> 4, w >> 8]
+    return [_hfma2(_lop3(y, S4_MASK, S4_EXP_SIGN, AND_XOR_LUT), b, off) for y in shifted]
+
+
+def _words(byte_rows):
+    """uint8 [..., 4n] -> little-endian uint32 words [..., n]."""
+    b = np.ascontiguousarray(byte_rows, dtype=np.uint8)
+    return b.view("<u4").astype(np.uint64)
+
+
+def _function_body(src, name):
+    m = re.search(rf"\b{name}\([^;{{}}]*\)\s*{{", src)
+    assert m, f"no definition of {name} in {MMA_FRAG}"
+    open_brace = m.end() - 1
+    depth, i = 0, open_brace
+    while True:
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        if depth == 0:
+            return src[open_brace:i + 1]
+        i += 1
+
+
+@pytest.mark.parametrize("name", sorted(CONSTANTS))
+def test_emulation_uses_the_headers_constants(name):
+    body = _function_body(MMA_FRAG.read_text(), name)
+    found = {int(h, 16) for h in re.findall(r"0x([0-9A-Fa-f]+)", body)}
+    assert found == CONSTANTS[name], f"{name} in mma_frag.cuh uses {sorted(map(hex, found))}"
+
+
+def test_s8x4_every_byte_at_every_position_is_exact():
+    rng = np.random.default_rng(0)
+    x = np.arange(-128, 128)
+    for pos in range(4):
+        rows = rng.integers(0, 256, size=(256, 4), dtype=np.uint8)
+        rows[:, pos] = x.astype(np.int8).view(np.uint8)
+        lo, hi = s8x4_to_f16x2(_words(rows)[:, 0])
+        vals = np.stack(_halves(lo) + _halves(hi), axis=1)          # elements 0, 1, 2, 3
+        assert np.array_equal(vals, rows.view(np.int8).astype(np.float64)), pos
+
+
+def test_block_scale_factor_is_b_over_16_and_minus_72b():
+    b = np.arange(0, 19)                    # 0: the zero-filled rows past a sequence's end
+    lo, hi = _halves(i4rs_block_scale_f16x2(b | (0xA5 << 8)))      # bits above the byte are ignored
+    assert np.array_equal(lo, b / 16) and np.array_equal(hi, -72.0 * b)
+
+
+def test_s4x8_every_nibble_value_position_and_block_scale_is_exact():
+    rng = np.random.default_rng(1)
+    b, value, slot = (a.ravel() for a in np.meshgrid(np.arange(1, 19), np.arange(-7, 8), np.arange(8)))
+    q = torch.tensor(rng.integers(-7, 8, size=(b.size, 8)), dtype=torch.int8)   # random neighbours
+    q[torch.arange(b.size), torch.from_numpy(slot)] = torch.from_numpy(value).to(torch.int8)
+    packed = I8.pack_int4(q).numpy()
+    out = s4x8_to_f16x2_scaled(_words(packed)[:, 0], i4rs_block_scale_f16x2(b))
+    want = I8.unpack_int4(torch.from_numpy(packed)).numpy().astype(np.float64) * b[:, None]
+    for k in range(4):                      # output word k holds the elements (k, k + 4)
+        lo, hi = _halves(out[k])
+        assert np.array_equal(lo, want[:, k]) and np.array_equal(hi, want[:, k + 4]), k
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_threads_k_operand_is_the_references_int8_row(head_dim):
+    """The kernel's qk4pv8 K operand (decode/mma.cuh qk_scores): quad lane c converts k8 bytes
+    [c D/8, (c+1) D/8) and k bytes [c D/16, (c+1) D/16) with the block scale at c * (D/8) / 16; together
+    the four lanes must give i4rs_to_int8's values on the low and the nibble channels."""
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(64, head_dim, generator=g) * torch.linspace(0.1, 4.0, head_dim) * torch.rand(64, 1, generator=g)
+    k8, k4, bs, _ = I8.quantize_i4rs(x)
+    ref = I8.i4rs_to_int8(k8, k4, bs).numpy().astype(np.float64)
+    low = rope_low_channels(head_dim).numpy()
+    k8b, k4b = head_dim // 8, head_dim // 16
+    got_low, got_nib = [], []
+    for c in range(4):
+        w8 = _words(k8.view(torch.uint8).numpy()[:, c * k8b:(c + 1) * k8b])
+        for i in range(w8.shape[1]):
+            lo, hi = s8x4_to_f16x2(w8[:, i])
+            got_low += [*_halves(lo), *_halves(hi)]
+        scale = i4rs_block_scale_f16x2(bs.numpy()[:, c * k8b // 16].astype(np.uint64))
+        w4 = _words(k4.numpy()[:, c * k4b:(c + 1) * k4b])
+        for i in range(w4.shape[1]):
+            pairs = [_halves(o) for o in s4x8_to_f16x2_scaled(w4[:, i], scale)]
+            got_nib += [pairs[k % 4][k // 4] for k in range(8)]
+    assert np.array_equal(np.stack(got_low, axis=1), ref[:, low])
+    assert np.array_equal(np.stack(got_nib, axis=1), ref[:, ~low])
+
+
+def test_q_is_packed_in_the_nibble_pairs_of_the_header():
+    """load_q_fragment packs Q's nibble dims by s4x8_pair_lo/hi; the emulation above (and the thread test)
+    take word k = elements (k, k + 4)."""
+    src = MMA_FRAG.read_text()
+    assert "s4x8_pair_lo(int k) { return k; }" in src and "s4x8_pair_hi(int k) { return k + 4; }" in src
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_split_k_channels_are_the_references_low_and_high_channels(head_dim):
+    """decode/mma.cuh k_dim (split K), transcribed: local dim l of quad lane c reads k8 byte c D/8 + l
+    (l < D/8) or nibble c D/8 + l - D/8; the channel it gives Q must be that byte's / nibble's channel
+    in i4rs's channel order (rope_low_channels)."""
+    k8b, half, quarter = head_dim // 8, head_dim // 2, head_dim // 4
+    low = rope_low_channels(head_dim)
+    low_ch, high_ch = torch.nonzero(low).flatten().tolist(), torch.nonzero(~low).flatten().tolist()
+    for c in range(4):
+        for l in range(2 * k8b):
+            is_low = l < k8b
+            idx = c * k8b + (l if is_low else l - k8b)
+            ch = (idx // quarter) * half + (quarter if is_low else 0) + idx % quarter
+            assert ch == (low_ch if is_low else high_ch)[idx], (c, l)
