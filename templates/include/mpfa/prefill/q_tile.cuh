@@ -25,6 +25,7 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
   const int nh = p.num_qo_heads, b = it.b, hq = it.hq, rows = it.rows;
   const __nv_bfloat16* qbase = p.q + int64_t(it.qo_start + it.row0) * p.q_stride_t + int64_t(hq) * p.q_stride_h;
   float sq = 1.f;
+  bool amax_is_zero = false;
   if constexpr (kQuant) {
     const float* mu = p.mu ? p.mu + (int64_t(b) * nh + hq) * kHeadDim : nullptr;
     // The thread's kQUnits chunks of Q (and their mu_Q) are loaded at once, before the first use (one global
@@ -61,6 +62,7 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
 #pragma unroll
     for (int w = 1; w < kConsumers / 32; ++w) amax = mpfa::max_nan(amax, red[w]);
     sq = mpfa::amax_scale_or_nan(amax, mpfa::kInt8Max);
+    amax_is_zero = amax == 0.f;
     const float inv = __frcp_rn(sq);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
@@ -81,7 +83,11 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
       *reinterpret_cast<uint4*>(smem + kOffQ + mpfa::wg::tile_offset<kW>(r, 16 * ch, kBM)) = raw;
     }
   }
-  return sq;
+  // An all-zero tile (one query row smoothed by its own mean: Q - mu_Q = 0) stores zeros under any scale; the
+  // softmax gets 0 rather than 1, so its folded integer-to-float offset (softmax.cuh) is exactly 0 and the
+  // scores are the compensation term alone, where scale 1 would leave an error of one unit of S times the
+  // key's scale (~0.01 in LSE on the H200 tests). A NaN amax keeps its NaN scale.
+  return (kQuant && amax_is_zero) ? 0.f : sq;
 }
 
 }  // namespace
