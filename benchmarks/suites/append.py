@@ -110,7 +110,10 @@ def _poison(cache) -> None:
     import torch
 
     for t in cache.fields.values():
-        t.fill_(255 if t.dtype == torch.uint8 else float("nan"))
+        if t.element_size() == 1:
+            t.view(torch.uint8).fill_(255)
+        else:
+            t.fill_(float("nan"))
 
 
 def _check_mpfa(mpfa, case, kw, layer, k, v, slots, pages) -> float:
