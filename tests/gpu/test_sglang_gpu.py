@@ -8,7 +8,8 @@ behaviour:
 
 - the plugin registers in-process and the mpfa backend serves every recipe;
 - the radix-cache pass (extend over cached prefix pages) repeats bf16's tokens exactly;
-- decode CUDA graphs on and off give the same tokens (the backend's split policy is batch-invariant);
+- decode CUDA graphs on and off give the same tokens, for every recipe (the backend's split policy is
+  batch-invariant);
 - bf16's greedy tokens are flashinfer's argmax given the same prefix, up to the near-ties flashinfer itself
   resolves either way (teacher forcing; real weights only);
 - the quantized pools hold the bytes-per-token ratio more tokens than bf16's at the same memory fraction;
@@ -95,6 +96,8 @@ def test_bf16_tokens_are_flashinfers_argmax(bf16_graphs, logs):
 def test_quantized_recipes(recipe, bf16_graphs, logs):
     res = _ok(_run("mpfa", recipe, graphs=True, tmp_path=logs))
     assert [len(o) for o in res["passes"][0]["output_ids"]] == [NEW_TOKENS] * len(PROMPTS)
+    eager = _ok(_run("mpfa", recipe, graphs=False, tmp_path=logs))
+    assert eager["passes"][0]["output_ids"] == res["passes"][0]["output_ids"], "decode CUDA graphs on and off differ"
     from mpfa.recipes import get_recipe
     d = json.loads((MODEL_DIR / "config.json").read_text())["head_dim"]
     ratio = get_recipe("bf16").bytes_per_token_head(d) / get_recipe(recipe).bytes_per_token_head(d)
