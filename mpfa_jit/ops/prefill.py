@@ -1,4 +1,4 @@
-"""Specs of the batch prefill/extend kernel (templates/prefill.cu.jinja): wgmma (QGMMA / HGMMA) over the
+"""Specs of the batch prefill/extend kernel (templates/prefill.cu.jinja): wgmma (IGMMA + QGMMA / HGMMA) over the
 paged cache; its pre-passes (mu_Q; the KV tile images with the compensation vector) are in the same
 library.
 
@@ -25,7 +25,7 @@ GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 PARAMS_LAYOUT_SYMBOL = "mpfa_prefill_params_layout"
 
 # Tile sizes: rendered into the template (kBM, kBN, kMuRows) and used by the wrapper's schedule and workspace.
-Q_TILE = 128    # query rows per CTA and per FP8 Q scale
+Q_TILE = 128    # query rows per CTA and per INT8 Q scale
 KV_TILE = 128   # keys per K/V tile image
 MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out

@@ -27,8 +27,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
 
     Slot ``s`` is token ``s % page_size`` of page ``s // page_size``; a negative slot is skipped
     (padding in captured CUDA graphs). Quantized recipes subtract the layer's mu_K, quantize K per
-    token (FP8, or 4-bit with block scales) and V with the layer's fixed channel scales. Returns the
-    backend that ran ('cuda' or 'reference'). Capturable in a CUDA graph when ``slots`` is int64.
+    token (INT8, or i4rs: half INT8, half INT4 with integer block scales) and V with the layer's fixed
+    channel scales. Returns the backend that ran ('cuda' or 'reference'). Capturable in a CUDA graph when ``slots`` is int64.
 
     Slots at or past ``kv.cache.num_slots``: the reference backend raises ValueError before writing
     anything. The CUDA kernel reads slots on the GPU, so it cannot raise without a synchronization on

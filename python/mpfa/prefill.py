@@ -8,9 +8,9 @@ Each request's new chunk (qo rows) must already be appended: it is the last qo_l
 request's KV, and the causal mask is aligned to that end.
 
 Kernel path (sm_90a, templates/prefill.cu.jinja): a pre-pass turns the request's paged, compressed
-K/V into MMA-ready tile images in the workspace (e4m3 or bf16 K, transposed V, per-key factors and
-the compensation vector), then a warp-specialized wgmma kernel (QGMMA for the FP8 recipes, HGMMA for
-bf16) runs one CTA per (128-row query tile, query head). ``plan`` validates, builds the query-tile
+K/V into MMA-ready tile images in the workspace (INT8 or bf16 K, transposed V, per-key factors and
+the compensation vector), then a warp-specialized wgmma kernel (quantized recipes: IGMMA for QK, QGMMA
+for PV; HGMMA for bf16) runs one CTA per (128-row query tile, query head). ``plan`` validates, builds the query-tile
 list (longest KV first) and the KV-tile list, copies them and the page table into int32 device
 buffers, carves the workspace, and builds/loads the kernel. ``run`` only launches: no host sync.
 """
