@@ -35,6 +35,17 @@ __device__ __forceinline__ uint32_t pack_s8x4(float a, float b, float c, float d
   return __byte_perm(__byte_perm(ba, bb, 0x0040), __byte_perm(bc, bd, 0x0040), 0x5410);
 }
 
+// 8 values (each already x * inv) -> 8 int8 bytes, element i in byte i.
+__device__ __forceinline__ uint2 pack_s8x8(const float (&y)[8]) {
+  return make_uint2(pack_s8x4(y[0], y[1], y[2], y[3]), pack_s8x4(y[4], y[5], y[6], y[7]));
+}
+
+// An i4rs INT4 value: clamp(rni(y * rcp), -7, 7) as float, rcp = 1 / block scale (recipes/int8.py
+// choose_block_scales; one rounding of the product first, as there).
+__device__ __forceinline__ float int4_of(float y, float rcp) {
+  return fminf(fmaxf(round_to_int(__fmul_rn(y, rcp)), -kInt4Max), kInt4Max);
+}
+
 // 2 floats -> 2 E4M3 bytes in one instruction (cvt.rn.satfinite.e4m3x2.f32).
 __device__ __forceinline__ uint16_t to_e4m3x2(float lo, float hi) {
   return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
@@ -60,11 +71,11 @@ __device__ __forceinline__ __nv_bfloat162 infinities_to_nan(__nv_bfloat162 x) {
 // qk4pv8's K (recipes/int8.py quantize_i4rs) splits a row of D channels into two fields in channel
 // order: the low-frequency RoPE half (c mod D/2 >= D/4) as INT8 bytes, the other half as INT4 nibbles.
 template <int D>
-__device__ __forceinline__ bool k4rs_low(int c) { return c % (D / 2) >= D / 4; }
+__device__ __forceinline__ bool split_k_low(int c) { return c % (D / 2) >= D / 4; }
 
 // Position of channel c within its half's field.
 template <int D>
-__device__ __forceinline__ int k4rs_index(int c) {
+__device__ __forceinline__ int split_k_index(int c) {
   const int r = c % (D / 2);
   return (c / (D / 2)) * (D / 4) + (r >= D / 4 ? r - D / 4 : r);
 }

@@ -116,8 +116,7 @@ __device__ __forceinline__ void store_k_int8(const AppendParams& p, bool write, 
     float y[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(k[i], inv);
-    *field_at<uint2>(p.k_data, row, L::k_bytes, me.c0) =
-        make_uint2(pack_s8x4(y[0], y[1], y[2], y[3]), pack_s8x4(y[4], y[5], y[6], y[7]));
+    *field_at<uint2>(p.k_data, row, L::k_bytes, me.c0) = pack_s8x8(y);
     if (me.group_lane == 0) *field_at<float>(p.k_scale, row, L::k_scale_bytes, 0) = ks;
   }
 }
@@ -131,7 +130,7 @@ __device__ __forceinline__ float i4_block_error(const float (&y)[8], float b) {
   float d2[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float q = fminf(fmaxf(round_to_int(__fmul_rn(y[i], rcp)), -kInt4Max), kInt4Max);
+    const float q = int4_of(y[i], rcp);
     const float d = __fmaf_rn(-b, q, y[i]);   // y - b q, exact (b q is exact and |y - b q| <= |y| or <= 0.5 b)
     d2[i] = __fmul_rn(d, d);
   }
@@ -156,11 +155,9 @@ __device__ __forceinline__ void store_k_i4rs(const AppendParams& p, bool write, 
   float y[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(k[i], inv);
-  const int idx = k4rs_index<D>(me.c0);   // position within its half's field
-  if (me.half == 1) {                     // = k4rs_low<D>(c0), uniform per warp
-    if (write)
-      *field_at<uint2>(p.k8_data, row, L::k8_bytes, idx) =
-          make_uint2(pack_s8x4(y[0], y[1], y[2], y[3]), pack_s8x4(y[4], y[5], y[6], y[7]));
+  const int idx = split_k_index<D>(me.c0);   // position within its half's field
+  if (me.half == 1) {                     // = split_k_low<D>(c0), uniform per warp
+    if (write) *field_at<uint2>(p.k8_data, row, L::k8_bytes, idx) = pack_s8x8(y);
   } else {
     float a = 0.f;
 #pragma unroll
@@ -179,7 +176,7 @@ __device__ __forceinline__ void store_k_i4rs(const AppendParams& p, bool write, 
     uint32_t packed = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float q = fminf(fmaxf(round_to_int(__fmul_rn(y[i], rcp)), -kInt4Max), kInt4Max);
+      const float q = int4_of(y[i], rcp);
       packed |= (__float_as_uint(__fadd_rn(q, kRoundMagic)) & 0xFu) << (4 * i);   // q's 4-bit two's complement
     }
     if (write) {

@@ -53,7 +53,7 @@ __device__ __forceinline__ Lane lane_of(int tid) {
     l.half = warp / 4;
     l.row = (warp % 4) * S::kRowsPerWarp + lane / S::kGroupLanes;
     l.group_lane = lane % S::kGroupLanes;
-    // 4-bit chunks: the first quarter of each half of the row (k4rs_low is false there); INT8: the second.
+    // 4-bit chunks: the first quarter of each half of the row (split_k_low is false there); INT8: the second.
     const int j = l.group_lane;
     l.c0 = 8 * ((j / q) * 2 * q + j % q + l.half * q);
   } else {

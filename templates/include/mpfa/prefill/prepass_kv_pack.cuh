@@ -83,8 +83,8 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
       const int64_t row = row_of(key);
       if constexpr (Layout::kSplitK) {
         // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
-        const int idx = mpfa::k4rs_index<kHeadDim>(16 * c16);   // within its half
-        if (mpfa::k4rs_low<kHeadDim>(16 * c16))
+        const int idx = mpfa::split_k_index<kHeadDim>(16 * c16);   // within its half
+        if (mpfa::split_k_low<kHeadDim>(16 * c16))
           w = *reinterpret_cast<const uint4*>(p.k8 + row * kK8Row + idx);
         else
           w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * kKRow + idx / 2),

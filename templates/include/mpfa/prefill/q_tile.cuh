@@ -25,7 +25,6 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
   const int nh = p.num_qo_heads, b = it.b, hq = it.hq, rows = it.rows;
   const __nv_bfloat16* qbase = p.q + int64_t(it.qo_start + it.row0) * p.q_stride_t + int64_t(hq) * p.q_stride_h;
   float sq = 1.f;
-  bool amax_is_zero = false;
   if constexpr (kQuant) {
     const float* mu = p.mu ? p.mu + (int64_t(b) * nh + hq) * kHeadDim : nullptr;
     // The thread's kQUnits chunks of Q (and their mu_Q) are loaded at once, before the first use (one global
@@ -62,19 +61,24 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
 #pragma unroll
     for (int w = 1; w < kConsumers / 32; ++w) amax = mpfa::max_nan(amax, red[w]);
     sq = mpfa::amax_scale_or_nan(amax, mpfa::kInt8Max);
-    amax_is_zero = amax == 0.f;
     const float inv = __frcp_rn(sq);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
       const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
       uint2 q8 = make_uint2(0u, 0u);
       if (r < rows) {
-        const float* y = x[i];   // |y * inv| <= 127 (1 + 2^-22): rni needs no clamp
-        q8.x = mpfa::pack_s8x4(__fmul_rn(y[0], inv), __fmul_rn(y[1], inv), __fmul_rn(y[2], inv), __fmul_rn(y[3], inv));
-        q8.y = mpfa::pack_s8x4(__fmul_rn(y[4], inv), __fmul_rn(y[5], inv), __fmul_rn(y[6], inv), __fmul_rn(y[7], inv));
+        float y[8];   // |y| <= 127 (1 + 2^-22): rni needs no clamp
+#pragma unroll
+        for (int k = 0; k < 8; ++k) y[k] = __fmul_rn(x[i][k], inv);
+        q8 = mpfa::pack_s8x8(y);
       }
       *reinterpret_cast<uint2*>(smem + kOffQ + mpfa::wg::tile_offset<kW>(r, 8 * ch, kBM)) = q8;
     }
+    // An all-zero tile (one query row smoothed by its own mean: Q - mu_Q = 0) stores zeros under any scale;
+    // the softmax gets 0 rather than 1, so its folded integer-to-float offset (softmax.cuh) is exactly 0 and
+    // the scores are the compensation term alone, where scale 1 would leave an error of one unit of S times
+    // the key's scale (~0.01 in LSE on the H200 tests). A NaN amax keeps its NaN scale.
+    if (amax == 0.f) sq = 0.f;
   } else {   // a chunk per iteration: bf16 has no amax pass for batched loads to shorten
     for (int u = ct; u < kBM * kQChunks; u += kConsumers) {
       const int r = u / kQChunks, ch = u % kQChunks;
@@ -83,11 +87,7 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
       *reinterpret_cast<uint4*>(smem + kOffQ + mpfa::wg::tile_offset<kW>(r, 16 * ch, kBM)) = raw;
     }
   }
-  // An all-zero tile (one query row smoothed by its own mean: Q - mu_Q = 0) stores zeros under any scale; the
-  // softmax gets 0 rather than 1, so its folded integer-to-float offset (softmax.cuh) is exactly 0 and the
-  // scores are the compensation term alone, where scale 1 would leave an error of one unit of S times the
-  // key's scale (~0.01 in LSE on the H200 tests). A NaN amax keeps its NaN scale.
-  return (kQuant && amax_is_zero) ? 0.f : sq;
+  return sq;
 }
 
 }  // namespace
