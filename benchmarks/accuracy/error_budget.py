@@ -280,13 +280,13 @@ K_VARIANTS = ["k4e", "k4e@all", "k4f", "k4f@all", "k4m", "k4m@all", "k4b8", "k4b
 COMBINED = [V1_IMPL, "q8s+k4+p8+v8", "q8+k4@all+p8+v8", "q8+k4+p8+v8", V1_IMPL8, "q8s+k8+p8+v8",
             "q8s+k4e@all+p8+v8", "q8s+k4e+p8+v8", "q8s+k4m+p8+v8", "q8s+k4b8+p8+v8", "q8s+eqk4+p8+v8",
             "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8", "q8s+k4m@all~s+p8+v8", "q8s+k4e~s+p8+v8", "q8s+p8+v8"]
-INT8_IMPL = "qi8s+ki8@all+p8+v8"        # qk8pv8 as implemented: INT8 Q per tile (smoothed) and INT8 K per token
-I4RS_IMPL = "qi8s+ki4@all+p8+v8"        # qk4pv8 as implemented: INT8 Q and i4rs K (16-channel blocks, MSE scales)
-IMPL, IMPL8 = I4RS_IMPL, INT8_IMPL      # the recipes (kernel.py: smoothing + compensation)
+# The recipes as implemented (kernel.py: smoothing + compensation)
+IMPL8 = "qi8s+ki8@all+p8+v8"            # qk8pv8: INT8 Q per tile (smoothed) and INT8 K per token
+IMPL = "qi8s+ki4@all+p8+v8"             # qk4pv8: INT8 Q and i4rs K (16-channel blocks, MSE scales)
 PEER_FP8KV = "kt8+vt8"                  # SGLang's fp8_e4m3 KV cache (FlashInfer), per-tensor scale 1.0
 INT_CONFIGS = ["qi8", "qi8s", "ki8", "ki8@all", "ki4@all", "ki4b8@all", "ki4u@all", "ki4ub8@all", "ki4t127@all",
                "ki8@all~c", "ki4@all~c", "kt8", "vt8", PEER_FP8KV,
-               INT8_IMPL, I4RS_IMPL, "qi8s+ki4b8@all+p8+v8", "qi8s+ki4u@all+p8+v8", "qi8s+ki8@all~c+p8+v8",
+               IMPL8, IMPL, "qi8s+ki4b8@all+p8+v8", "qi8s+ki4u@all+p8+v8", "qi8s+ki8@all~c+p8+v8",
                "qi8s+ki4@all~c+p8+v8", "q8s+ki8@all+p8+v8", "qi8s+k8@all+p8+v8"]
 ALL_CONFIGS = ["exact"] + ALONE + K_VARIANTS + COMBINED + INT_CONFIGS
 
@@ -605,7 +605,7 @@ def summarize(rows: list[dict]) -> dict:
         if r["source"].endswith("-activations") and r["config"] in (V1_IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
                                                                  "q8s", "p8", "v8", V1_IMPL8, "k4@all~s", "k4e@all~s",
                                                                  "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8",
-                                                                 INT8_IMPL, I4RS_IMPL, PEER_FP8KV, "ki8@all",
+                                                                 IMPL8, IMPL, PEER_FP8KV, "ki8@all",
                                                                  "ki4@all", "ki4b8@all", "qi8s"):
             out[f"{r['context']}/{r['config']}"] = round(r["rel_l2"], 4)
     mod = [r for r in rows if r.get("kind") == "model"]

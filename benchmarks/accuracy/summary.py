@@ -107,9 +107,10 @@ def summarize(rows: list[dict]) -> dict:
                                     else out["ppl_loss_qk4pv8_without_compensation"] < NOISE_PPL)
     st = mrow(None, None, None, impl="stock")
     out["stock_vs_bf16_kl"] = None if st is None else st.get("kl")
+    base_stdlib = ppl("bf16", text="stdlib")
     for rc in ("qk4pv8", "qk8pv8"):
-        b, p = ppl("bf16", text="stdlib"), ppl(rc, True, text="stdlib")
-        out[f"ppl_increase_{rc}_stdlib"] = None if None in (p, b) else p / b - 1
+        p = ppl(rc, True, text="stdlib")
+        out[f"ppl_increase_{rc}_stdlib"] = None if None in (p, base_stdlib) else p / base_stdlib - 1
 
     # needle
     nb = [r for r in needle if r.get("impl") == "mpfa" and r.get("recipe") == "bf16"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mpfa.recipes import int8 as I8
-from mpfa.recipes.fp4 import rope_low_channels
+from mpfa.recipes.int8 import rope_low_channels
 
 MMA_FRAG = Path(__file__).resolve().parents[2] / "templates" / "include" / "mpfa" / "mma_frag.cuh"
 

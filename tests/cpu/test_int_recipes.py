@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mpfa.recipes import int8 as I8
-from mpfa.recipes.fp4 import rope_low_channels
+from mpfa.recipes.fp8 import amax_scale
+from mpfa.recipes.int8 import rope_low_channels
 
 
 def _keys(rows=400, d=128, seed=0):
@@ -86,7 +87,7 @@ def test_i4rs_row_is_one_int8_operand(block, d):
 
 def test_mse_block_scales_beat_round_up():
     x = _keys(2000, 128, seed=11)
-    ts = I8.amax_scale(x.abs().amax(-1), I8.I4RS_TARGET).unsqueeze(-1)
+    ts = amax_scale(x.abs().amax(-1), I8.I4RS_TARGET).unsqueeze(-1)
     y = (x * (1.0 / ts))[:, ~rope_low_channels(128)].reshape(2000, 4, 16)
     b_m, q_m = I8.choose_block_scales(y, "mse", window=None)       # all 18 candidates
     b_u, q_u = I8.choose_block_scales(y, "up")
@@ -178,14 +179,14 @@ def outlier():
 def test_budget_int_configs(outlier):
     from benchmarks.accuracy import error_budget as eb
     names = ["exact", "qi8", "qi8s", "q8", "q8s", "ki8@all", "k8@all", "ki4@all", "ki4u@all", "ki8@all~c",
-             "kt8+vt8", eb.INT8_IMPL, eb.I4RS_IMPL, "qi8s+ki8@all~c+p8+v8"]
+             "kt8+vt8", eb.IMPL8, eb.IMPL, "qi8s+ki8@all~c+p8+v8"]
     r = {n: m["rel_l2"] for n, m in eb.budget([outlier], names).items()}
     assert r["qi8"] < 0.6 * r["q8"] and r["qi8s"] < 0.6 * r["q8s"], r     # 7 bits vs 3 mantissa bits
     assert r["qi8s"] < 0.7 * r["qi8"], r                                    # smoothing still pays with INT8
     assert r["ki8@all"] < 0.8 * r["k8@all"], r
     assert r["ki4@all"] <= r["ki4u@all"], r
     assert r["ki8@all~c"] < 0.6 * r["ki8@all"], r                           # the stored correction works
-    assert r["qi8s+ki8@all~c+p8+v8"] < r[eb.INT8_IMPL] < r[eb.I4RS_IMPL], r
+    assert r["qi8s+ki8@all~c+p8+v8"] < r[eb.IMPL8] < r[eb.IMPL], r
 
 
 def test_budget_configs_are_the_references(outlier):
@@ -197,7 +198,7 @@ def test_budget_configs_are_the_references(outlier):
     ks = k.float() - cal["mu_k"]
     _, k_eff = eb.quantized_attention(q, k, v, eb.parse("qi8s+ki4b8@all+p8+v8"), cal=cal)
     assert torch.equal(k_eff, I8.dequantize_i4rs(*I8.quantize_i4rs(ks, block=8)))
-    _, k_eff = eb.quantized_attention(q, k, v, eb.parse(eb.INT8_IMPL), cal=cal)
+    _, k_eff = eb.quantized_attention(q, k, v, eb.parse(eb.IMPL8), cal=cal)
     assert torch.equal(k_eff, I8.dequantize_k_per_token(*I8.quantize_k_per_token(ks)))
     # the peer: E4M3 casts of K and V with scale 1, exact Q and P, no smoothing
     o, k_eff = eb.quantized_attention(q, k, v, eb.parse(eb.PEER_FP8KV), cal=eb.calibrate(k, v, "none"))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .fp8 import E4M3_DTYPE, amax_scale, quantize_e4m3, row_scale
+from .int8 import rope_low_channels
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -105,14 +106,6 @@ def quantize_k4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     token_scale = amax_scale(x.abs().amax(dim=-1), TOKEN_TARGET)
     packed, block_scale = _quantize_blocks(x, token_scale.unsqueeze(-1))
     return packed, block_scale, token_scale
-
-
-def rope_low_channels(head_dim: int) -> torch.Tensor:
-    """Boolean mask of the low-frequency RoPE channels (rotate_half layout: channel c pairs with
-    c + D/2, and its frequency falls with c mod D/2): c mod D/2 >= D/4. K's large-mean channels and most
-    of 4-bit K's error sit there (benchmarks/NOTES.md, "a kernel-friendly RoPE-aware 4-bit K")."""
-    c = torch.arange(head_dim)
-    return (c % (head_dim // 2)) >= head_dim // 4
 
 
 def quantize_k4rs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

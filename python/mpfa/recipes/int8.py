@@ -24,7 +24,7 @@ smoothing (K - mu_K). Cache row: ``int8 [D]`` then ``float32`` scale: ``D + 4`` 
 
 ``i4rs`` K (:func:`quantize_i4rs`): ONE float32 scale per row, the row amax -> :data:`I4RS_TARGET`
 (126 = 7 * 18, the largest value ``b * q`` reaches, so the row's largest element is representable
-whichever half it sits in). The low-frequency RoPE half of the channels (:func:`.fp4.rope_low_channels`)
+whichever half it sits in). The low-frequency RoPE half of the channels (:func:`rope_low_channels`)
 is stored as INT8 ``rni(y)``; the other half in blocks of ``block`` (16 or 8) channels as INT4
 ``q in [-7, 7]`` with an integer block scale ``b in 1..18``, so every ``b * q`` is an INT8 value
 (``|b * q| <= 126``) and the whole row is one INT8 MMA operand with one per-key scale
@@ -67,8 +67,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp4 import rope_low_channels
-from .fp8 import amax_scale, row_scale
+from .fp8 import row_scale
 
 INT8_MAX = 127
 INT4_MAX = 7
@@ -80,6 +79,15 @@ I4RS_BLOCK = 16                      # the recipe's block (8 is a study option)
 I4RS_WINDOW = (2, 1)                 # the recipe's block-scale search: b_up - 2 .. b_up + 1
 # float32(1 / b) for b = 0 .. 18 (index 0 unused): the kernel's constant table
 RCP = torch.tensor([0.0] + [1.0 / b for b in range(1, BLOCK_SCALE_MAX + 1)], dtype=torch.float32)
+
+
+def rope_low_channels(head_dim: int) -> torch.Tensor:
+    """Boolean mask of the low-frequency RoPE channels (rotate_half layout: channel c pairs with
+    c + D/2, and its frequency falls with c mod D/2): c mod D/2 >= D/4. K's large-mean channels and most
+    of 4-bit K's error sit there (benchmarks/NOTES.md, "a kernel-friendly RoPE-aware 4-bit K"), so i4rs
+    keeps them INT8."""
+    c = torch.arange(head_dim)
+    return (c % (head_dim // 2)) >= head_dim // 4
 
 
 def rni(y: torch.Tensor) -> torch.Tensor:
