@@ -8,7 +8,6 @@
 
 namespace mpfa {
 
-constexpr float kE4M3Max = 448.0f;
 // 8-bit integer QK (recipes/int8.py): INT8 values in [-127, 127]; i4rs K's INT4 values in [-7, 7] times an
 // integer block scale 1..18, so every product is an INT8 value and the row amax maps to 7 * 18.
 constexpr float kInt8Max = 127.0f;
