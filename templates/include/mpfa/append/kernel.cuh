@@ -49,16 +49,18 @@ append_kv_kernel(const AppendParams p) {
   const int64_t t_end = ((p.num_tokens + S::kRowsPerBlock - 1) / S::kRowsPerBlock) * S::kRowsPerBlock;
   for (int64_t t = int64_t(blockIdx.x) * S::kRowsPerBlock + me.row; t < t_end;
        t += int64_t(gridDim.x) * S::kRowsPerBlock) {
-    const int64_t slot = t < p.num_tokens ? p.slots[t] : -1;
-    const bool write = uint64_t(slot) < uint64_t(p.num_slots);   // uniform across the row group
-    const int64_t page = slot / PageSize, off = slot % PageSize;
-    const int64_t row = (page * p.num_kv_heads + h) * PageSize + off;   // this (token, head) row of each field
-
+    const bool token = t < p.num_tokens;
+    const int64_t slot = token ? p.slots[t] : -1;
+    // K and V are read whatever the slot (a padding token's rows are valid input, written nowhere): loads that
+    // waited for the slot would put a second memory round trip in every iteration.
     uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
-    if (write) {
+    if (token) {
       kr = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.k) + (t * p.k_stride_token + k_off));
       vr = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.v) + (t * p.v_stride_token + v_off));
     }
+    const bool write = uint64_t(slot) < uint64_t(p.num_slots);   // uniform across the row group
+    const int64_t page = slot / PageSize, off = slot % PageSize;
+    const int64_t row = (page * p.num_kv_heads + h) * PageSize + off;   // this (token, head) row of each field
     if constexpr (!L::kQuantK) {
       if (write) store_bf16<L::k_bytes>(p.k_data, row, me.c0, kr);
     }
