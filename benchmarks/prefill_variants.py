@@ -5,7 +5,7 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
-``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``); the default build is always the first variant and the reference for the
+``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``); the default build is always the first variant and the reference for the
 output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
 that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, compensation on for the quantized recipes). Rows go to ``--out`` (default
@@ -52,6 +52,20 @@ def build(recipe: str, variants: list[dict]) -> list:
         return list(ex.map(lambda s: bind(get_kernel(s)), specs))
 
 
+def retile(w, knobs: dict) -> None:
+    """Points the plan of wrapper ``w`` at query tiles of the variant's CTA height (``consumers=3``: 192 rows)."""
+    import torch
+    from mpfa.prefill import tile_schedule
+    from mpfa_jit.ops.prefill import tile_rows
+    p, a = w._plan, w._plan.kernel.params
+    qo = p.qo_indptr.cpu()
+    tiles = tile_schedule((qo[1:] - qo[:-1]).tolist(), p.paged.kv_lengths, p.causal, tile_rows(knobs)[0])
+    dev = p.qo_indptr.device
+    w._variant_tiles = [torch.tensor([x[i] for x in tiles], dtype=torch.int32, device=dev) for i in (0, 1)]
+    a.tile_req, a.tile_q = (t.data_ptr() for t in w._variant_tiles)
+    a.num_tiles = len(tiles)
+
+
 def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None) -> list[dict]:
     """Every variant at one of the prefill suite's shapes and one recipe; ``on_row`` gets each row as it is
     measured (the caller writes the file then: a variant that hangs its kernel leaves the rows before it)."""
@@ -62,7 +76,8 @@ def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lam
     w, q, layer = suite.mpfa_setup(case, torch.Generator(device="cuda").manual_seed(seed))
     rows, ref = [], None
     for variant, fn in zip(variants, fns):
-        w._plan.kernel.fn = fn   # same plan and workspace; only the main kernel differs
+        w._plan.kernel.fn = fn   # same plan and workspace; only the main kernel (and its CTA height) differs
+        retile(w, variant)
         out = torch.full_like(q, float("nan"))
         w.run(q, layer, out=out)
         torch.cuda.synchronize()

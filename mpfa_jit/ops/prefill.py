@@ -25,13 +25,23 @@ GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 PARAMS_LAYOUT_SYMBOL = "mpfa_prefill_params_layout"
 
 # Tile sizes: rendered into the template (kBM, kBN, kMuRows) and used by the wrapper's schedule and workspace.
-Q_TILE = 128    # query rows per CTA and per INT8 Q scale
+Q_TILE = 128    # query rows per CTA (the served build: two consumer warpgroups of 64 rows)
+Q_SCALE_ROWS = 128   # query rows per INT8 Q scale: the recipe's Q tile (reference q_tile), whole warpgroups
 KV_TILE = 128   # keys per K/V tile image
 MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out
 # takes the template's default (the served build sets none).
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1)}
+         "fac_vec": (0, 1), "consumers": (2, 3)}
+
+
+def tile_rows(knobs: dict | None = None) -> tuple[int, int]:
+    """(query rows per CTA, query rows per INT8 Q scale) of a build: Q_TILE and Q_SCALE_ROWS in the served
+    build; ``consumers=3`` (a study knob, with ``pingpong=0``) runs 192-row CTAs of three 64-row warpgroups,
+    each with its own Q scale."""
+    if (knobs or {}).get("consumers", 2) == 3:
+        return 192, 64
+    return Q_TILE, Q_SCALE_ROWS
 
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
@@ -56,11 +66,12 @@ class PrefillParams(ctypes.Structure):
                 ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
 
 
-def render_context(recipe: str, head_dim: int) -> dict:
+def render_context(recipe: str, head_dim: int, knobs: dict | None = None) -> dict:
     """What the template renders besides the key: the cache layout check and the tile sizes above."""
     img = image_bytes(recipe, head_dim)
-    return dict(layout_context(recipe, head_dim), q_tile=Q_TILE, kv_tile=KV_TILE, mu_rows=MU_ROWS,
-                k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"])
+    q_tile, q_scale_rows = tile_rows(knobs)
+    return dict(layout_context(recipe, head_dim), q_tile=q_tile, q_scale_rows=q_scale_rows, kv_tile=KV_TILE,
+                mu_rows=MU_ROWS, k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"])
 
 
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,
@@ -73,9 +84,11 @@ def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: i
     for name, value in knobs.items():
         if value not in KNOBS.get(name, ()):
             raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
+    if knobs.get("consumers") == 3 and knobs.get("pingpong", 1) != 0:
+        raise ValueError("prefill knob consumers=3 needs pingpong=0 (the ping-pong schedule pairs two warpgroups)")
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size, **knobs},
                            arch, symbols=(SYMBOL, SMEM_SYMBOL, PARAMS_LAYOUT_SYMBOL),
-                           context=render_context(recipe, head_dim))
+                           context=render_context(recipe, head_dim, knobs))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,

@@ -90,10 +90,11 @@ def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
     return _align(max((o + n for o, n in layout.values()), default=0))
 
 
-def tile_schedule(qo_lens, kv_lengths, causal: bool) -> list[tuple[int, int]]:
+def tile_schedule(qo_lens, kv_lengths, causal: bool, q_tile: int | None = None) -> list[tuple[int, int]]:
     """(request, query tile) pairs, the longest KV range first (a simple longest-job-first order for
-    the grid). A causal tile sees keys up to its last row's diagonal."""
-    tiles, q_tile = [], prefill_op.Q_TILE
+    the grid). A causal tile sees keys up to its last row's diagonal. ``q_tile``: query rows per CTA of the
+    kernel that runs the plan (default prefill_op.Q_TILE, the served build's)."""
+    tiles, q_tile = [], q_tile or prefill_op.Q_TILE
     for b, (nq, nkv) in enumerate(zip(qo_lens, kv_lengths)):
         for t in range(-(-nq // q_tile)):
             last_row = min(nq, (t + 1) * q_tile)
@@ -247,7 +248,7 @@ class BatchPrefillWrapper:
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
         return reference_run(q, p.qo_indptr, kv, p.paged, out, return_lse, causal=p.causal, sm_scale=p.sm_scale,
-                             recipe=p.recipe, compensation=p.compensation, q_tile=prefill_op.Q_TILE)
+                             recipe=p.recipe, compensation=p.compensation, q_tile=prefill_op.Q_SCALE_ROWS)
 
     def _run_kernel(self, q, kv, out, return_lse):
         k = self._plan.kernel

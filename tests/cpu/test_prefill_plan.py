@@ -224,3 +224,14 @@ def test_ex2_poly_matches_exp2_within_its_bound():
     assert np.all(np.isfinite(y)) and np.all(y > 0)
     assert np.max(np.abs(y / exact - 1)[xc > -125]) <= 1.3e-4
     assert y[-4] == y[0] and abs(y[-3] - 1) < 1.3e-4 and abs(y[-2] - 2) < 3e-4
+
+
+def test_three_consumer_warpgroups_knob_renders_192_row_ctas_with_64_row_q_scales():
+    with pytest.raises(ValueError, match="consumers=3 needs pingpong=0"):
+        prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH, knobs={"consumers": 3})
+    s = prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH, knobs={"consumers": 3, "pingpong": 0})
+    ctx = dict(s.context)
+    assert (ctx["q_tile"], ctx["q_scale_rows"]) == (192, 64)
+    assert (dict(prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH).context)["q_scale_rows"]
+            == prefill_op.Q_SCALE_ROWS)
+    assert len(tile_schedule([400], [400], causal=True, q_tile=192)) == 3

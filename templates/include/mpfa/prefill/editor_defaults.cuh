@@ -12,6 +12,7 @@ constexpr int kHeadDim = 128;
 constexpr int kPageSize = 16;
 using Layout = mpfa::CacheLayout<kRecipe, kHeadDim>;
 constexpr int kBM = 128;
+constexpr int kQScaleRows = 128;
 constexpr int kBN = 128;
 constexpr int kMuRows = 128;
 constexpr bool kFacVec = 1;

@@ -1,8 +1,8 @@
 // prefill_kernel: warp-specialized FlashAttention over the pre-pass's tile images, one CTA per item
-// (tile_scheduler.cuh), 3 warpgroups:
-//   warpgroup 0, the producer (24 registers): one thread streams the K/V images (producer.cuh);
-//   warpgroups 1 and 2, the consumers (240 registers): 64 query rows each; per item the Q tile
-//   (q_tile.cuh), the KV tiles (mainloop.cuh, softmax.cuh) and the output rows (epilogue.cuh).
+// (tile_scheduler.cuh):
+//   warpgroup 0, the producer (kProducerRegs registers): one thread streams the K/V images (producer.cuh);
+//   warpgroups 1.. kConsumerWGs, the consumers (kConsumerRegs registers): 64 query rows each; per item the
+//   Q tile (q_tile.cuh), the KV tiles (mainloop.cuh, softmax.cuh) and the output rows (epilogue.cuh).
 #pragma once
 #include <math_constants.h>
 #include "mpfa/common.cuh"
@@ -33,12 +33,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
   __syncthreads();
 
   if (warp < 4) {
-    mpfa::pipe::setmaxnreg_dec<24>();
+    mpfa::pipe::setmaxnreg_dec<kProducerRegs>();
     if (warp == 0 && lane == 0) produce(p, only, ring);
     return;
   }
 
-  mpfa::pipe::setmaxnreg_inc<240>();
+  mpfa::pipe::setmaxnreg_inc<kConsumerRegs>();
   const int ct = tid - 128, cw = ct / 32, wg = cw / 4, wq = cw % 4;
   const int g = lane / 4, c = lane % 4;
   float* red = reinterpret_cast<float*>(smem + kOffRed);
@@ -48,13 +48,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
     const int item = item_of(k, p.num_items);
     if (kPersistent && item >= p.num_items) break;
     const Item it = kPersistent ? item_at(p, item) : only;
-    // Q (and the amax scratch) are rewritten below: both warpgroups must be past the previous item's QK MMAs.
+    // Q (and the amax scratch) are rewritten below: every warpgroup must be past the previous item's QK MMAs.
     if (k > 0) mpfa::pipe::named_sync(1, kConsumers);
 
     const float sq = load_q(p, it, smem, red, ct, cw, lane);
     zero_fb(p, smem, ct);
     mpfa::wg::fence_proxy_async();
-    mpfa::pipe::named_sync(1, kConsumers);   // Q (and the zero fb) visible to both warpgroups
+    mpfa::pipe::named_sync(1, kConsumers);   // Q (and the zero fb) visible to every warpgroup
 
     const int r_lo = wg * 64 + wq * 16 + g;            // tile rows r_lo and r_lo + 8
     MaskRows mr;
@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
     // uniform registers: kept across the loop it lives in vector registers and costs 2 R2UR + 1 UMOV per MMA.
     const uint32_t q_addr = __shfl_sync(0xffffffffu, base_addr + kOffQ + wg * 64 * kW, 0);
 
-    mainloop(p, ring, smem, g0, it.n_tiles, wg, q_addr, sq, mr, o_acc, st);
+    if constexpr (kConsumerWGs == 2) mainloop(p, ring, smem, g0, it.n_tiles, wg, q_addr, sq, mr, o_acc, st);
+    else mainloop_serial(p, ring, smem, g0, it.n_tiles, q_addr, sq, mr, o_acc, st);
     store_o(p, it, o_acc, st, r_lo, c);
     g0 += it.n_tiles;
   }

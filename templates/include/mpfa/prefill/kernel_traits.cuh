@@ -68,10 +68,23 @@ static_assert(!kFacVec || fac_reads_match(), "the softmax's fa / fb addresses fo
 // Pre-passes: threads per block.
 constexpr int kPackThreads = 256;
 
-// Main kernel: a producer warpgroup and two consumer warpgroups of 64 query rows each.
-constexpr int kThreads = 384;
-constexpr int kConsumers = 256;
-static_assert(kBM == kConsumers / 2, "each consumer warpgroup owns 64 query rows");
+// Main kernel: a producer warpgroup and kBM / 64 consumer warpgroups of 64 query rows each. Two run
+// software-pipelined (mainloop.cuh mainloop); three run each tile's steps in order (mainloop_serial), their
+// registers too few for S and the PV accumulator to live together, the other two warpgroups filling the gaps.
+constexpr int kConsumerWGs = kBM / 64;
+static_assert(kBM % 64 == 0 && (kConsumerWGs == 2 || kConsumerWGs == 3), "2 or 3 consumer warpgroups of 64 rows");
+constexpr int kConsumers = 128 * kConsumerWGs;
+constexpr int kThreads = 128 + kConsumers;
+// Registers per thread after setmaxnreg: the producer's 24 leave (65536 - 128 * 24) / kConsumers, rounded
+// down to a multiple of 8.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "the register file holds every warpgroup");
+static_assert(!kPingPong || kConsumerWGs == 2, "the ping-pong schedule pairs two warpgroups");
+// INT8 Q: one scale per kQScaleRows query rows (a whole number of warpgroups, within one CTA).
+static_assert(kQScaleRows % 64 == 0 && kBM % kQScaleRows == 0, "Q scale tiles are whole warpgroups of one CTA");
+constexpr int kQScaleGroups = kBM / kQScaleRows;
+constexpr int kQScaleThreads = 2 * kQScaleRows;   // consumer threads of one scale tile
 constexpr int kOffQ = 0;
 constexpr int kOffK = kOffQ + kBM * kQKRow;
 constexpr int kOffV = kOffK + kStages * kImgK;

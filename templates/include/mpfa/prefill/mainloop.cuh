@@ -162,4 +162,33 @@ __device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring
   }
 }
 
+
+// The same for three consumer warpgroups: each tile's steps in order (S = Q K^T, the softmax, P V into the part
+// accumulator, the fold), so S and the part accumulator are never live together and a warpgroup fits the
+// kConsumerRegs registers that three leave; the tensor cores stay busy with the other warpgroups' MMAs while
+// one runs its softmax (SageAttention's sm90 order).
+__device__ __forceinline__ void mainloop_serial(const KernelParams& p, const Ring& ring, const uint8_t* smem, int g0,
+                                                int n_tiles, uint32_t q_addr, float sq, const MaskRows& mr,
+                                                float (&o_acc)[kORegs], SoftmaxRows& st) {
+  uint32_t pa[kPK][4];
+  float o_part[kQuant ? kPartRegs : 1];
+  for (int t = 0; t < n_tiles; ++t) {
+    float sc[kSRegs];
+    issue_qk(ring, g0 + t, q_addr, sc);
+    mpfa::wg::wait<0>();
+    mpfa::wg::fence_operand(sc);
+    float corr[2];
+    softmax_max(p, sc, st, corr, smem, (g0 + t) % kStages, t * kBN, mr, sq);
+    softmax_exp(sc, st);
+    pack_p(sc, pa);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      issue_pv(ring, g0 + t, part, pa, o_part, o_acc, corr);
+      mpfa::wg::wait<0>();
+      fold_pv(part, o_part, o_acc, corr);
+    }
+    release(ring, g0 + t);
+  }
+}
+
 }  // namespace

@@ -1,7 +1,7 @@
 // The consumers' Q tile: kBM rows of one query head into shared memory as the QK MMA's A operand
 // (swizzled like the K image). Quantized recipes smooth it by mu_Q and quantize it to INT8 with one scale
-// for the tile (amax / 127, one amax over the tile's valid rows through named barrier 1), byte for byte as
-// python/mpfa/recipes/int8.py quantize_q_per_tile. The amax propagates NaN: a tile holding a NaN or an
+// per kQScaleRows rows (amax / 127 over the scale tile's valid rows, reduced by the scale tile's own threads
+// through a named barrier), byte for byte as python/mpfa/recipes/int8.py quantize_q_per_tile. The amax propagates NaN: a tile holding a NaN or an
 // infinity gets a NaN scale, which the softmax multiplies into every score of the tile.
 #pragma once
 #include <cuda_bf16.h>
@@ -15,13 +15,17 @@
 
 namespace {
 
-// Writes item `it`'s Q tile at kOffQ of smem and returns its scale (1 for bf16). ct: the thread's index
-// among the consumers, cw its warp's; red: 8 floats of scratch.
+// Writes item `it`'s Q tile at kOffQ of smem and returns the scale of the thread's scale tile (1 for bf16).
+// ct: the thread's index among the consumers, cw its warp's; red: one float per consumer warp of scratch.
 __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, uint8_t* smem, float* red, int ct,
                                         int cw, int lane) {
   constexpr int kQChunks = kHeadDim / 8;             // 8 channels (16 bf16 bytes) per unit
-  constexpr int kQUnits = kBM * kQChunks / kConsumers;   // units per consumer thread
-  static_assert(kBM * kQChunks % kConsumers == 0, "Q units divide among the consumer threads");
+  constexpr int kQUnits = kQScaleRows * kQChunks / kQScaleThreads;   // units per consumer thread
+  static_assert(kQScaleRows * kQChunks % kQScaleThreads == 0, "Q units divide among the consumer threads");
+  static_assert(kConsumers / 32 <= 16, "red holds one float per consumer warp");
+  // Quantized: the threads of scale tile `grp` load its rows (unit gu of the tile: row gu / kQChunks).
+  const int grp = kQScaleGroups == 1 ? 0 : ct / kQScaleThreads;   // ct < kConsumers: the compiler cannot see it
+  const int gt = kQScaleGroups == 1 ? ct : ct % kQScaleThreads, row0 = grp * kQScaleRows;
   const int nh = p.num_qo_heads, b = it.b, hq = it.hq, rows = it.rows;
   const __nv_bfloat16* qbase = p.q + int64_t(it.qo_start + it.row0) * p.q_stride_t + int64_t(hq) * p.q_stride_h;
   float sq = 1.f;
@@ -33,14 +37,14 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
     uint4 raw[kQUnits];
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
-      const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
+      const int u = gt + i * kQScaleThreads, r = row0 + u / kQChunks, ch = u % kQChunks;
       raw[i] = r < rows ? *reinterpret_cast<const uint4*>(qbase + r * p.q_stride_t + 8 * ch) : make_uint4(0u, 0u, 0u, 0u);
     }
     float x[kQUnits][8];
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
-      const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
+      const int u = gt + i * kQScaleThreads, r = row0 + u / kQChunks, ch = u % kQChunks;
       float4 m0 = make_float4(0.f, 0.f, 0.f, 0.f), m1 = m0;
       if (mu) { m0 = *reinterpret_cast<const float4*>(mu + 8 * ch); m1 = *reinterpret_cast<const float4*>(mu + 8 * ch + 4); }
       const float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
@@ -56,15 +60,17 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = mpfa::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     if (lane == 0) red[cw] = amax;
-    mpfa::pipe::named_sync(1, kConsumers);
-    amax = red[0];
+    if constexpr (kQScaleGroups == 1) mpfa::pipe::named_sync(1, kConsumers);
+    else mpfa::pipe::named_sync(4 + grp, kQScaleThreads);   // 4.. : ids no other barrier of the kernel uses
+    constexpr int kGroupWarps = kQScaleThreads / 32;
+    amax = red[grp * kGroupWarps];
 #pragma unroll
-    for (int w = 1; w < kConsumers / 32; ++w) amax = mpfa::max_nan(amax, red[w]);
+    for (int w = 1; w < kGroupWarps; ++w) amax = mpfa::max_nan(amax, red[grp * kGroupWarps + w]);
     sq = mpfa::amax_scale_or_nan(amax, mpfa::kInt8Max);
     const float inv = __frcp_rn(sq);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
-      const int u = ct + i * kConsumers, r = u / kQChunks, ch = u % kQChunks;
+      const int u = gt + i * kQScaleThreads, r = row0 + u / kQChunks, ch = u % kQChunks;
       uint2 q8 = make_uint2(0u, 0u);
       if (r < rows) {
         float y[8];   // |y| <= 127 (1 + 2^-22): rni needs no clamp
