@@ -26,7 +26,6 @@ PARAMS_LAYOUT_SYMBOL = "mpfa_prefill_params_layout"
 
 # Tile sizes: rendered into the template (kBM, kBN, kMuRows) and used by the wrapper's schedule and workspace.
 Q_TILE = 128    # query rows per CTA (the served build: two consumer warpgroups of 64 rows)
-Q_SCALE_ROWS = 128   # query rows per INT8 Q scale: the recipe's Q tile (reference q_tile), whole warpgroups
 KV_TILE = 128   # keys per K/V tile image
 MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out
@@ -36,12 +35,11 @@ KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16)
 
 
 def tile_rows(knobs: dict | None = None) -> tuple[int, int]:
-    """(query rows per CTA, query rows per INT8 Q scale) of a build: Q_TILE and Q_SCALE_ROWS in the served
-    build; ``consumers=3`` (a study knob, with ``pingpong=0``) runs 192-row CTAs of three 64-row warpgroups,
-    each with its own Q scale."""
-    if (knobs or {}).get("consumers", 2) == 3:
-        return 192, 64
-    return Q_TILE, Q_SCALE_ROWS
+    """(query rows per CTA, query rows per INT8 Q scale) of a build. The Q scale tile is the recipe's
+    (mpfa.recipes.int8.Q_TILE, whole 64-row warpgroups); the CTA holds Q_TILE rows, or 192 with the study knob
+    ``consumers=3`` (three consumer warpgroups; with ``pingpong=0``)."""
+    from mpfa.recipes.int8 import Q_TILE as q_scale_rows   # imported here: mpfa imports mpfa_jit at module level
+    return (192 if (knobs or {}).get("consumers", 2) == 3 else Q_TILE), q_scale_rows
 
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:

@@ -10,8 +10,8 @@ request's KV, and the causal mask is aligned to that end.
 Kernel path (sm_90a, templates/prefill.cu.jinja): a pre-pass turns the request's paged, compressed
 K/V into MMA-ready tile images in the workspace (INT8 or bf16 K, transposed V, per-key factors and
 the compensation vector), then a warp-specialized wgmma kernel (quantized recipes: IGMMA for QK, QGMMA
-for PV; HGMMA for bf16) runs one CTA per (128-row query tile, query head). ``plan`` validates, builds the query-tile
-list (longest KV first) and the KV-tile list, copies them and the page table into int32 device
+for PV; HGMMA for bf16) runs one CTA per (128-row query tile, query head), one INT8 Q scale per 64 rows.
+``plan`` validates, builds the query-tile list (longest KV first) and the KV-tile list, copies them and the page table into int32 device
 buffers, carves the workspace, and builds/loads the kernel. ``run`` only launches: no host sync.
 """
 from __future__ import annotations
@@ -248,7 +248,7 @@ class BatchPrefillWrapper:
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
         return reference_run(q, p.qo_indptr, kv, p.paged, out, return_lse, causal=p.causal, sm_scale=p.sm_scale,
-                             recipe=p.recipe, compensation=p.compensation, q_tile=prefill_op.Q_SCALE_ROWS)
+                             recipe=p.recipe, compensation=p.compensation)
 
     def _run_kernel(self, q, kv, out, return_lse):
         k = self._plan.kernel

@@ -356,7 +356,7 @@ def test_prefill_reference_matches_oracle(recipe, d):
         assert lse.shape == (total_q, HEADS) and torch.isfinite(lse).all()
         kp, vp = layer.dequantize(torch.float64)
         ro, rlse = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
-                                   q_tile=128, dtype=torch.float64)
+                                   dtype=torch.float64)
         _assert_matches_oracle(o, ro)
         assert torch.allclose(lse.double(), rlse, rtol=1e-5, atol=1e-4)
         # And close to exact attention on the original, unquantized K/V of each request.
@@ -387,7 +387,7 @@ def test_prefill_out_in_place_and_compensation_flag():
         assert res is out or res.data_ptr() == out.data_ptr()
         assert not torch.isnan(out).any()
         ro, _ = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe="qk8pv8",
-                                compensation=comp, q_tile=128, dtype=torch.float64)
+                                compensation=comp, dtype=torch.float64)
         _assert_matches_oracle(out, ro)
         outs[comp] = out
     assert not torch.equal(outs[True], outs[False])       # the flag reaches the numerics

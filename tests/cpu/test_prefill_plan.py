@@ -232,6 +232,6 @@ def test_three_consumer_warpgroups_knob_renders_192_row_ctas_with_64_row_q_scale
     s = prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH, knobs={"consumers": 3, "pingpong": 0})
     ctx = dict(s.context)
     assert (ctx["q_tile"], ctx["q_scale_rows"]) == (192, 64)
-    assert (dict(prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH).context)["q_scale_rows"]
-            == prefill_op.Q_SCALE_ROWS)
+    from mpfa.recipes.int8 import Q_TILE as q_scale_rows
+    assert dict(prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH).context)["q_scale_rows"] == q_scale_rows
     assert len(tile_schedule([400], [400], causal=True, q_tile=192)) == 3

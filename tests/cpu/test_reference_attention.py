@@ -304,7 +304,7 @@ def test_recipe_attention_empty_chunk():
 
 
 def test_recipe_attention_quantizes_q_per_tile():
-    """One FP8 scale per q_tile rows: a tile of tiny queries next to a tile of large ones keeps its
+    """One INT8 scale per q_tile rows: a tile of tiny queries next to a tile of large ones keeps its
     own scale; one scale for both would push the tiny tile into E4M3's subnormals."""
     gen = _gen(301)
     q = torch.randn(256, 2, 64, generator=gen)

@@ -30,7 +30,6 @@ import mpfa
 from mpfa.reference import gather_pages
 from mpfa.reference.attention import attention, recipe_attention
 from mpfa.recipes import RECIPES as RECIPE_TABLE
-from mpfa_jit.ops import prefill as prefill_op
 
 pytestmark = [pytest.mark.gpu]
 
@@ -62,7 +61,7 @@ def _references(q, qo, layer, indptr, indices, lengths, *, recipe, causal, compe
         kb, vb = gather_pages(kd, ids, n), gather_pages(vd, ids, n)
         exact.append(attention(q[rows], kb, vb, causal=causal, sm_scale=sm_scale))
         quant.append(recipe_attention(q[rows], kb, vb, recipe=recipe, causal=causal, sm_scale=sm_scale,
-                                      compensation=compensation, q_tile=prefill_op.Q_SCALE_ROWS))
+                                      compensation=compensation))
     return exact, quant
 
 

@@ -15,9 +15,11 @@ order a kernel performs them:
   (:func:`.fp8.row_scale`), so everything stored under it dequantizes to NaN; its integer bytes (and
   block scales) are unspecified.
 
-INT8 Q (:func:`quantize_q_per_tile`): one scale per 128 query rows and head, amax -> 127, on Q after
-smoothing (Q - mu_Q; the caller subtracts mu_Q and adds the rank-one compensation mu_Q . K, see
-:mod:`.smoothing`). The scale multiplies every score of the tile, so it rides the score FMA.
+INT8 Q (:func:`quantize_q_per_tile`): one scale per 64 query rows (``Q_TILE``: the rows of one of the
+prefill kernel's consumer warpgroups) and head, amax -> 127, on Q after smoothing (Q - mu_Q; the caller
+subtracts mu_Q and adds the rank-one compensation mu_Q . K, see :mod:`.smoothing`). The scale multiplies
+every score of the tile, so it rides the score FMA. (On SmolLM2 / KJV, 64-row tiles cost less than 128-row
+ones: model KL 0.0045 against 0.0049 for qk8pv8 at 2K, benchmarks/NOTES.md.)
 
 INT8 K (:func:`quantize_k_per_token`): one float32 scale per (token, KV head), amax -> 127, on K after
 smoothing (K - mu_K). Cache row: ``int8 [D]`` then ``float32`` scale: ``D + 4`` bytes.
@@ -73,7 +75,7 @@ INT8_MAX = 127
 INT4_MAX = 7
 BLOCK_SCALE_MAX = 18                 # 7 * 18 = 126 <= 127: every b * q is an INT8 value
 I4RS_TARGET = INT4_MAX * BLOCK_SCALE_MAX
-Q_TILE = 128
+Q_TILE = 64
 I4RS_BLOCKS = (16, 8)
 I4RS_BLOCK = 16                      # the recipe's block (8 is a study option)
 I4RS_WINDOW = (2, 1)                 # the recipe's block-scale search: b_up - 2 .. b_up + 1

@@ -11,7 +11,7 @@ the other half as INT4 in [-7, 7] with one integer block scale 1..18 per 16 chan
 ``block_scale * int4`` is an INT8 value and the kernels turn the whole row into INT8 K without rounding.
 Quantized K is smoothed (stored as K - mu_K, mu_K fixed per layer and KV head); V has one fixed scale
 per (layer, head, channel). Decode dequantizes K exactly to fp16 and keeps Q in fp16 (bf16 Q is exact
-there up to a power-of-two prescale); prefill quantizes Q to INT8 per 128-row tile after smoothing.
+there up to a power-of-two prescale); prefill quantizes Q to INT8 per 64-row tile after smoothing.
 """
 from __future__ import annotations
 

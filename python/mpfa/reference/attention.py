@@ -42,7 +42,7 @@ import torch
 
 from ..recipes import Recipe, get_recipe
 from ..recipes.fp8 import E4M3_MAX, quantize_e4m3
-from ..recipes.int8 import dequantize_q_per_tile, quantize_q_per_tile
+from ..recipes.int8 import Q_TILE, dequantize_q_per_tile, quantize_q_per_tile
 
 # P is quantized as e4m3(p * P_SCALE) / P_SCALE: p <= 1 after subtracting the row max, so the max maps
 # to the top of E4M3 (SageAttention's static offset).
@@ -187,7 +187,7 @@ def attention(q, k, v, *, causal: bool, sm_scale: float | None = None, dtype=tor
 
 
 def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale: float | None = None,
-                     compensation: bool = True, q_tile: int = 128, dtype=torch.float64):
+                     compensation: bool = True, q_tile: int = Q_TILE, dtype=torch.float64):
     """Attention of one request with ``recipe``'s quantization of Q and P (prefill numerics).
 
     q ``[n, H, D]`` as the model gives it (bf16); k/v ``[m, H_kv, D]`` dequantized from the cache.
@@ -256,7 +256,7 @@ def request_kv_lengths(paged_kv_indptr, paged_kv_last_page_len, page_size: int) 
 
 def batch_attention(q, qo_indptr, k_pages, v_pages, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                     *, causal: bool, sm_scale: float | None = None, recipe: "str | Recipe | None" = None,
-                    compensation: bool = True, q_tile: int = 128, dtype=torch.float64):
+                    compensation: bool = True, q_tile: int = Q_TILE, dtype=torch.float64):
     """Ragged batch over a paged cache. ``k_pages``/``v_pages`` are dequantized ``[pages, H_kv, P, D]``.
 
     ``recipe=None`` gives exact attention; a recipe adds its Q/P quantization (:func:`recipe_attention`).
