@@ -17,7 +17,9 @@ Sources, alone and combined (names are the row ``config``):
 
 * Q: ``q8`` FP8 per 128-row tile as it is; ``q8s`` Q - mu_Q (mean of the chunk) per tile plus the
   rank-one compensation mu_Q . K added to the scores in float64 (the recipe's prefill numerics);
-  ``qi8`` / ``qi8s`` the same with INT8 per tile (:func:`mpfa.recipes.int8.quantize_q_per_tile`, amax -> 127).
+  ``qi8`` / ``qi8s`` the same with INT8 per tile (:func:`mpfa.recipes.int8.quantize_q_per_tile`, amax -> 127);
+  ``qi8s64`` ``qi8s`` with one scale per 64-row tile (the rows one prefill consumer warpgroup holds, so
+  the finer scale costs the kernel nothing); mu_Q is still the mean of the call's rows.
 * K, on K~ = K - mu_K (``mu=none``: mu_K = 0; ``first``: mean of the first ``n_cal`` tokens of the
   context; ``all``: mean of every context token, what :mod:`.kernel` and a first prefill do):
   ``k4``   the implemented format (:func:`mpfa.recipes.fp4.quantize_k4`: E2M1, block 16, block scales
@@ -53,8 +55,27 @@ Sources, alone and combined (names are the row ``config``):
            key's own scale (c / s_K, saturating; 1 byte per query head and key), added to the scores;
            mu_Q fixed at calibration (``~c``: the mean of the call's queries, ``~cf``: of its first
            ``n_cal`` query rows, as a server fixing it from an earlier prefill would).
-* P: ``p8`` FP8 after exp with the static offset 448 (``e4m3(p * 448) / 448``).
+* P: ``p8`` FP8 after exp with the static offset 448 (``e4m3(p * 448) / 448``); ``p16`` rounded to
+  fp16 (what an FP16 PV MMA sees), ``pbf`` to bf16. The normalizer l is the sum of the unquantized p
+  in every case, as the kernels compute it. (A per-row dynamic FP8 offset is not a configuration: the
+  largest p of a row, against its running or final max, is exp(0) = 1, so mapping the row's max to 448
+  is the static offset; and E4M3 is floating point, so any other power-of-two offset only moves which p
+  fall below the smallest normal, p * 448 < 2^-6.)
 * V: ``v8`` FP8 with per-(KV head, channel) scales 2 * amax / 448 from the context's values;
+  ``v8s`` V smoothing: V~ = V - mu_V (mu_V per (KV head, channel): the mean over the context, as
+  mu_K@all) in FP8 with the per-channel scales 2 * amax(|V~|) / 448, and mu_V added to the normalized
+  output: O = P_q V~_q / l + mu_V. The exact identity is P V / l = P V~ / l + mu_V * rowsum(P) / l,
+  and rowsum(P) = l for the unquantized p that l sums, so adding mu_V is what a kernel does cheaply (one
+  add per output element in the epilogue, no rowsum of the quantized P) and it also drops the P
+  rounding's error on the mean part of V, which ``v8`` keeps (its O carries mu_V * rowsum(P_q) / l).
+  E4M3's error is relative to each value, so centring only helps where |V - mu_V| < |V|; the
+  attention-sink token's value is near zero (SmolLM2: |V_0| ~ 1 against a median |V_j| of 5-13 past
+  layer 5) and becomes ~ -mu_V, and the sink's large p carries that error into the output.
+  ``v8s~s``: the same, but the first ``SINK_TOKENS`` keys' values stored uncentred (same per-channel
+  scales) and the output gets mu_V * (1 - l_sink / l), l_sink the sum of the unquantized p over
+  those keys (one more row accumulator, updated in the first KV tile only);
+  ``vi8`` INT8 with per-(KV head, channel) scales amax / 127 from the context's values (not an FP8 PV
+  operand: for a PV MMA on fp16 P, ``p16+vi8``, whose V converts to fp16 exactly in registers);
   ``vt8`` E4M3 with the per-tensor scale 1.0 (the peer's V).
 
 Diagnostics per layer and KV head (``kind: diag`` rows): large-mean channels (|mu_c| / sd_c),
@@ -243,20 +264,34 @@ def equalizer(k_cal: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # configurations
 
+P_ROUNDING = {"p16": torch.float16, "pbf": torch.bfloat16}     # P rounded to a 16-bit PV MMA operand
+Q_TILES = {"qi8s64": 64}                                          # Q tile rows where not Q_TILE
+
+
 def parse(name: str) -> dict:
     """``"q8s+k4@all+p8+v8"`` -> {'q': 'q8s', 'k': 'k4', 'eq': False, 'mu': 'all', 'p': True, 'v': True}.
-    ``exact`` is nothing quantized. K's mu_K source follows ``@`` (none|first|all; default none)."""
+    ``exact`` is nothing quantized. K's mu_K source follows ``@`` (none|first|all; default none).
+    ``p`` is True (FP8), ``"p16"`` / ``"pbf"`` or False; ``v`` is True (``v8``), ``"s"`` (``v8s``), ``"s_sink"`` (``v8s~s``), ``"i8"``
+    (``vi8``), ``"t8"`` or False."""
     cfg = {"name": name, "q": None, "k": None, "eq": False, "mu": "none", "sink": False, "p": False, "v": False,
            "corr": None}
     if name == "exact":
         return cfg
     for part in name.split("+"):
-        if part in ("q8", "q8s", "qi8", "qi8s"):
+        if part in ("q8", "q8s", "qi8", "qi8s", "qi8s64"):
             cfg["q"] = part
         elif part == "p8":
             cfg["p"] = True
+        elif part in P_ROUNDING:
+            cfg["p"] = part
         elif part == "v8":
             cfg["v"] = True
+        elif part == "v8s":
+            cfg["v"] = "s"
+        elif part == "v8s~s":
+            cfg["v"] = "s_sink"
+        elif part == "vi8":
+            cfg["v"] = "i8"
         elif part == "vt8":
             cfg["v"] = "t8"
         else:
@@ -281,14 +316,23 @@ COMBINED = [V1_IMPL, "q8s+k4+p8+v8", "q8+k4@all+p8+v8", "q8+k4+p8+v8", V1_IMPL8,
             "q8s+k4e@all+p8+v8", "q8s+k4e+p8+v8", "q8s+k4m+p8+v8", "q8s+k4b8+p8+v8", "q8s+eqk4+p8+v8",
             "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8", "q8s+k4m@all~s+p8+v8", "q8s+k4e~s+p8+v8", "q8s+p8+v8"]
 # The recipes as implemented (kernel.py: smoothing + compensation)
-IMPL8 = "qi8s+ki8@all+p8+v8"            # qk8pv8: INT8 Q per tile (smoothed) and INT8 K per token
-IMPL = "qi8s+ki4@all+p8+v8"             # qk4pv8: INT8 Q and i4rs K (16-channel blocks, MSE scales)
+IMPL8 = "qi8s64+ki8@all+p8+v8"          # qk8pv8: INT8 Q per 64-row tile (smoothed) and INT8 K per token
+IMPL = "qi8s64+ki4@all+p8+v8"           # qk4pv8: INT8 Q and i4rs K (16-channel blocks, MSE scales)
 PEER_FP8KV = "kt8+vt8"                  # SGLang's fp8_e4m3 KV cache (FlashInfer), per-tensor scale 1.0
 INT_CONFIGS = ["qi8", "qi8s", "ki8", "ki8@all", "ki4@all", "ki4b8@all", "ki4u@all", "ki4ub8@all", "ki4t127@all",
                "ki8@all~c", "ki4@all~c", "kt8", "vt8", PEER_FP8KV,
                IMPL8, IMPL, "qi8s+ki4b8@all+p8+v8", "qi8s+ki4u@all+p8+v8", "qi8s+ki8@all~c+p8+v8",
                "qi8s+ki4@all~c+p8+v8", "q8s+ki8@all+p8+v8", "qi8s+k8@all+p8+v8"]
-ALL_CONFIGS = ["exact"] + ALONE + K_VARIANTS + COMBINED + INT_CONFIGS
+# qk8pv8's Q / P / V budget (K as implemented): each part alone, each cheaper variant swapped into the
+# recipe, and their combinations
+ISSUE20_PV = ["exact", "ki8@all", "qi8s+ki8@all", "qi8s64+ki8@all", "qi8s+ki8@all+p8", "qi8s+ki8@all+v8",
+              "qi8s+ki8@all+v8s", IMPL8, "ki8@all+p8+v8",
+              "qi8s+ki8@all+p8+v8", "qi8s+ki8@all+p8+v8s", "qi8s+ki8@all+p16+v8", "qi8s+ki8@all+pbf+v8",
+              "qi8s64+ki8@all+p8+v8s", "qi8s+ki8@all+p16+v8s", "qi8s64+ki8@all+p16+v8s",
+              "qi8s+ki8@all+vi8", "qi8s+ki8@all+p16+vi8", "qi8s64+ki8@all+p16+vi8", "qi8s+ki8@all+p8+v8s~s",
+              "qi8s64+ki8@all+p16+v8s~s", "v8s~s",
+              "qi8s", "qi8s64", "p8", "p16", "pbf", "v8", "v8s", "vi8"]
+ALL_CONFIGS = list(dict.fromkeys(["exact"] + ALONE + K_VARIANTS + COMBINED + INT_CONFIGS + ISSUE20_PV))
 
 
 def _expand(x, heads):
@@ -298,9 +342,9 @@ def _expand(x, heads):
 
 def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_CAL,
               q_ctx: torch.Tensor | None = None) -> dict:
-    """Fixed per-(KV head) quantities from the context: mu_K, the equalizer of K - mu_K, V scales; with
-    ``q_ctx`` also mu_Q per query head for the stored correction (``mu_q``: all rows, ``mu_q_first``: the
-    first ``n_cal``)."""
+    """Fixed per-(KV head) quantities from the context: mu_K, the equalizer of K - mu_K, V scales, mu_V
+    and the scales of V - mu_V (``v8s``); with ``q_ctx`` also mu_Q per query head for the stored
+    correction (``mu_q``: all rows, ``mu_q_first``: the first ``n_cal``)."""
     kf = k_ctx.float()
     if mu == "none":
         mu_k = torch.zeros_like(kf[0])
@@ -310,13 +354,20 @@ def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_
         mu_k = kf.mean(dim=0)
     else:
         raise ValueError(mu)
-    amax = v_ctx.float().abs().amax(dim=0)
-    v_scale = torch.where(amax > 0, amax * 2.0 / E4M3_MAX, torch.ones_like(amax))
-    out = {"mu_k": mu_k, "t": equalizer(kf - mu_k), "v_scale": v_scale}
+    vf = v_ctx.float()
+    mu_v = vf.mean(dim=0)
+    out = {"mu_k": mu_k, "t": equalizer(kf - mu_k), "v_scale": _v_scale(vf), "mu_v": mu_v,
+           "v_scale_s": _v_scale(vf - mu_v), "v_scale_i8": I8.row_scale(vf.abs().amax(dim=0), I8.INT8_MAX)}
     if q_ctx is not None and q_ctx.shape[0] > 0:
         out["mu_q"] = q_ctx.float().mean(dim=0)
         out["mu_q_first"] = q_ctx[:n_cal].float().mean(dim=0)
     return out
+
+
+def _v_scale(v: torch.Tensor) -> torch.Tensor:
+    """Per-(KV head, channel) E4M3 scale of values ``[m, H_kv, D]``: 2 * amax / 448 (1 where all zero)."""
+    amax = v.abs().amax(dim=0)
+    return torch.where(amax > 0, amax * 2.0 / E4M3_MAX, torch.ones_like(amax))
 
 
 def stored_correction(mu_q: torch.Tensor, ks: torch.Tensor, k_eff: torch.Tensor, target: float) -> torch.Tensor:
@@ -352,13 +403,14 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
     ke = _expand(k_eff.to(dtype), heads)
     bias = None
     if cfg["q"] is not None:
-        smooth = cfg["q"] in ("q8s", "qi8s")
+        smooth = cfg["q"] in ("q8s", "qi8s", "qi8s64")
         quant = I8.quantize_q_per_tile if cfg["q"].startswith("qi") else quantize_per_tile
+        tile = Q_TILES.get(cfg["q"], Q_TILE)
         mu = qf.mean(dim=0) if smooth and q.shape[0] > 0 else torch.zeros_like(qf[0])
         q_eff = torch.empty_like(qf, dtype=dtype)
         for h in range(heads):
-            q8, scale = quant(qf[:, h] - mu[h], Q_TILE)
-            q_eff[:, h] = q8.to(dtype) * scale.repeat_interleave(Q_TILE)[: q.shape[0]].unsqueeze(-1).to(dtype)
+            q8, scale = quant(qf[:, h] - mu[h], tile)
+            q_eff[:, h] = q8.to(dtype) * scale.repeat_interleave(tile)[: q.shape[0]].unsqueeze(-1).to(dtype)
         if smooth:
             bias = torch.einsum("hd,khd->hk", mu.to(dtype), ke)
     else:
@@ -371,13 +423,25 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
             raise ValueError(f"{cfg['name']}: the calibration has no mu_Q (calibrate(..., q_ctx=queries))")
         corr = stored_correction(cal[key], ks, k_eff, K_SCALE_TARGET.get(cfg["k"], I8.I4RS_TARGET)).to(dtype)
         bias = corr if bias is None else bias + corr
+    v_mean = None
     if cfg["v"] == "t8":
         v_eff = quantize_e4m3(v.float(), 1.0).float()
+    elif cfg["v"] == "i8":
+        v_eff = I8.dequantize_int(I8.quantize_int(v.float(), cal["v_scale_i8"]), cal["v_scale_i8"])
+    elif cfg["v"] in ("s", "s_sink"):
+        v_mean = cal["mu_v"]
+        vc = v.float() - v_mean
+        if cfg["v"] == "s_sink":
+            vc[:SINK_TOKENS] = v[:SINK_TOKENS].float()
+        v_eff = quantize_e4m3(vc, cal["v_scale_s"]).float() * cal["v_scale_s"]
     elif cfg["v"]:
         v_eff = quantize_e4m3(v.float(), cal["v_scale"]).float() * cal["v_scale"]
     else:
         v_eff = v.float()
-    if cfg["p"]:
+    if cfg["p"] in P_ROUNDING:
+        def p_quant(p):
+            return p.to(P_ROUNDING[cfg["p"]]).to(dtype)
+    elif cfg["p"]:
         def p_quant(p):
             return quantize_e4m3(p * P_SCALE, 1.0).to(dtype) / P_SCALE
     else:
@@ -385,6 +449,14 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
             return p
     o = _run_blocked(q_eff, ke, _expand(v_eff.to(dtype), heads), bias, causal=causal, sm_scale=sm_scale,
                      p_quant=p_quant)
+    if v_mean is not None:     # in the epilogue, after the division by l (module docstring, ``v8s``)
+        mean_weight = 1.0
+        if cfg["v"] == "s_sink":  # 1 - l_sink / l: the uncentred first keys carry their own mean
+            sink = torch.zeros(k.shape[0], heads, 1, dtype=dtype, device=o.device)
+            sink[:SINK_TOKENS] = 1.0
+            mean_weight = 1.0 - _run_blocked(q_eff, ke, sink, bias, causal=causal, sm_scale=sm_scale,
+                                             p_quant=lambda p: p)
+        o = o + _expand(v_mean.to(dtype).unsqueeze(0), heads)[0] * mean_weight
     return o, k_eff
 
 
@@ -606,7 +678,8 @@ def summarize(rows: list[dict]) -> dict:
                                                                  "q8s", "p8", "v8", V1_IMPL8, "k4@all~s", "k4e@all~s",
                                                                  "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8",
                                                                  IMPL8, IMPL, PEER_FP8KV, "ki8@all",
-                                                                 "ki4@all", "ki4b8@all", "qi8s"):
+                                                                 "ki4@all", "ki4b8@all", "qi8s",
+                                                                 *ISSUE20_PV):
             out[f"{r['context']}/{r['config']}"] = round(r["rel_l2"], 4)
     mod = [r for r in rows if r.get("kind") == "model"]
     if mod:

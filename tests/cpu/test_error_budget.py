@@ -94,3 +94,89 @@ def test_k4rs_is_one_e4m3_operand_per_key(share):
         assert low.sum() == round(share * d)
         err = lambda m: float(((y - x)[:, m]).norm() / x[:, m].norm())
         assert err(low) < 0.5 * err(~low)   # FP8 there, 4-bit elsewhere
+
+
+def test_pv_variants_parse():
+    c = eb.parse("qi8s64+ki8@all+p16+v8s")
+    assert (c["q"], c["k"], c["mu"], c["p"], c["v"]) == ("qi8s64", "ki8", "all", "p16", "s")
+    assert eb.parse("pbf")["p"] == "pbf" and eb.parse("p8")["p"] is True and eb.parse("v8")["v"] is True
+    assert eb.parse("p16+vi8")["v"] == "i8"
+    for bad in ("p4", "v8x", "qi8s32"):
+        with pytest.raises(ValueError):
+            eb.parse(bad)
+    assert set(eb.ISSUE20_PV) <= set(eb.ALL_CONFIGS)
+    for name in eb.ISSUE20_PV:
+        eb.parse(name)
+
+
+def test_q_tile_64(outlier):
+    """qi8s64 is qi8s while the call has at most 64 query rows; where the rows' magnitude changes every
+    64 rows, the finer tile has less error on the rows of the smaller tile."""
+    q, k, v = outlier
+    assert q.shape[0] <= 64
+    cal = eb.calibrate(k, v, "all")
+    o128, _ = eb.quantized_attention(q, k, v, eb.parse("qi8s"), cal=cal)
+    o64, _ = eb.quantized_attention(q, k, v, eb.parse("qi8s64"), cal=cal)
+    assert torch.equal(o128, o64)
+    g = torch.Generator().manual_seed(5)
+    n, m = 128, 256
+    q = torch.randn(n, 4, 64, generator=g)
+    q[:64] *= 8                                                     # the first 64-row tile is 8x larger
+    k = torch.randn(m, 2, 64, generator=g)
+    v = torch.randn(m, 2, 64, generator=g)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = eb.attention(q, k, v, causal=True)[0][64:]
+    cal = eb.calibrate(k, v, "none")
+    err = {name: float((eb.quantized_attention(q, k, v, eb.parse(name), cal=cal)[0][64:] - ref).norm())
+           for name in ("qi8s", "qi8s64")}
+    assert err["qi8s64"] < 0.4 * err["qi8s"], err
+
+
+def test_p_rounding_orders(res, outlier):
+    r = {name: x["rel_l2"] for name, x in eb.budget([outlier], ["p8", "p16", "pbf"]).items()}
+    assert r["p16"] < 0.05 * r["p8"], r                              # 11 significant bits against 4
+    assert r["p16"] < r["pbf"] < r["p8"], r
+
+
+def test_v_smoothing():
+    """A V channel with a large mean: v8s (centred, then FP8) has far less error than v8; a V whose rows
+    are all equal is exact under v8s even with P in FP8 (mu_V added after the division by l), while
+    v8 carries P's rounding into the output through rowsum(P_q) / l."""
+    g = torch.Generator().manual_seed(7)
+    n, m = 64, 256
+    q = torch.randn(n, 4, 64, generator=g).bfloat16()
+    k = torch.randn(m, 2, 64, generator=g).bfloat16()
+    v = torch.randn(m, 2, 64, generator=g)
+    v[:, :, 5] += 60.0
+    v[:, 1, 17] -= 30.0
+    r = {name: x["rel_l2"] for name, x in eb.budget([(q, k, v.bfloat16())], ["v8", "v8s", "p8+v8", "p8+v8s"]).items()}
+    assert r["v8s"] < 0.5 * r["v8"], r
+    vi8 = eb.budget([(q, k, v.bfloat16())], ["vi8"])["vi8"]["rel_l2"]
+    assert vi8 < r["v8"], (vi8, r)             # 8 bits under one per-channel scale against E4M3's 4 significant
+    assert r["p8+v8s"] < 0.7 * r["p8+v8"], r
+    const = torch.randn(1, 2, 64, generator=g).expand(m, 2, 64).bfloat16()
+    cal = eb.calibrate(k, const, "none")
+    o_s, _ = eb.quantized_attention(q, k, const, eb.parse("p8+v8s"), cal=cal)
+    o_8, _ = eb.quantized_attention(q, k, const, eb.parse("p8+v8"), cal=cal)
+    want = eb._expand(const[:1].double(), 4)[0]
+    assert torch.allclose(o_s, want.expand_as(o_s), rtol=0, atol=1e-12)
+    assert (o_8 - want).abs().max() > 1e-4
+
+
+def test_v_smoothing_sink_page(outlier):
+    """v8s~s: the first SINK_TOKENS values uncentred, mu_V weighted by 1 - l_sink / l; with P exact this
+    is exact attention over the dequantized values with mu_V added back to the centred ones."""
+    from mpfa.recipes.fp8 import quantize_e4m3
+    q, k, v = outlier
+    v = (v.float() + torch.linspace(-20, 20, v.shape[-1])).bfloat16()     # channels with large means
+    cal = eb.calibrate(k, v, "none")
+    o, _ = eb.quantized_attention(q, k, v, eb.parse("v8s~s"), cal=cal)
+    vc = v.float() - cal["mu_v"]
+    vc[:eb.SINK_TOKENS] = v[:eb.SINK_TOKENS].float()
+    vq = (quantize_e4m3(vc, cal["v_scale_s"]).float() * cal["v_scale_s"]).double()
+    vq[eb.SINK_TOKENS:] += cal["mu_v"].double()
+    want = eb.attention(q, k, vq, causal=True)[0]
+    # float32 values of magnitude ~20 added to the output in float64: ~1e-6 apart
+    assert torch.allclose(o, want, rtol=0, atol=1e-5), float((o - want).abs().max())
+    o_plain, _ = eb.quantized_attention(q, k, v, eb.parse("v8s"), cal=cal)
+    assert (o_plain - want).abs().max() > 1e-2                 # the sink page's handling is visible

@@ -94,6 +94,7 @@ constexpr int kOffRed = kOffFb + kStages * kFac;    // 8 floats for the Q amax
 constexpr int kOffBar = kOffRed + 64;               // full_k[S], full_v[S], empty[S]
 constexpr int kSmemUsed = kOffBar + 3 * kStages * 8;
 constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base to 1024 bytes
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA exceeds the SM's 227 KB: use fewer stages");
 static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "MMA tiles 1024-aligned");
 
 // 4 floats -> 4 e4m3 bytes (the FP8 P fragment).
