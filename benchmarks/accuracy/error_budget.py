@@ -19,7 +19,8 @@ Sources, alone and combined (names are the row ``config``):
   rank-one compensation mu_Q . K added to the scores in float64 (the recipe's prefill numerics);
   ``qi8`` / ``qi8s`` the same with INT8 per tile (:func:`mpfa.recipes.int8.quantize_q_per_tile`, amax -> 127);
   ``qi8s64`` ``qi8s`` with one scale per 64-row tile (the rows one prefill consumer warpgroup holds, so
-  the finer scale costs the kernel nothing); mu_Q is still the mean of the call's rows.
+  the finer scale costs the kernel nothing); mu_Q is still the mean of the call's rows; ``qi8sH`` one
+  scale per head for all the call's rows (what a K-side precomputed compensation term would need).
 * K, on K~ = K - mu_K (``mu=none``: mu_K = 0; ``first``: mean of the first ``n_cal`` tokens of the
   context; ``all``: mean of every context token, what :mod:`.kernel` and a first prefill do):
   ``k4``   the implemented format (:func:`mpfa.recipes.fp4.quantize_k4`: E2M1, block 16, block scales
@@ -42,7 +43,9 @@ Sources, alone and combined (names are the row ``config``):
   ``k8``   FP8 per token (``qk8pv8``'s K).
   8-bit integer K (:mod:`mpfa.recipes.int8`, issue 20; every value the QK MMA sees is an INT8 integer
   times one per-key FP32 scale):
-  ``ki8``  INT8 per token (amax -> 127);
+  ``ki8``  INT8 per token (amax -> 127); ``ki8t`` the same requantized to one scale per 128-key tile (the
+           tile's largest token scale: rni(q * s_j / s_T)), the uniform K-tile scale a prefill pre-pass could
+           write; ``ki4t`` the i4rs INT8 image requantized the same way;
   ``ki4``  ``i4rs``: the low-frequency RoPE half INT8, the other half INT4 in [-7, 7] times an integer
            block scale b in 1..18 per 16 channels chosen by least squared error, one scale per row
            (amax -> 126); ``ki4b8``: 8-channel blocks; ``ki4u`` / ``ki4ub8``: b rounded up
@@ -233,7 +236,37 @@ def kt8(x: torch.Tensor) -> torch.Tensor:
 # the per-key scale each integer format stores (the correction ~c is stored under it): row amax -> target
 K_SCALE_TARGET = {"ki8": I8.INT8_MAX, "ki4t127": 127.0}
 
+KV_TILE = 128   # keys per prefill K tile image
+
+
+def requantize_per_tile(q: torch.Tensor, scale: torch.Tensor, tile: int = KV_TILE) -> torch.Tensor:
+    """Integer K ``q [m, H_kv, D]`` (values of INT8 MMA operands) under per-token scales ``scale [m, H_kv]``,
+    requantized to one scale per ``tile`` consecutive keys (the tile's largest token scale), as a prefill
+    pre-pass would write a uniform-scale K image: rni(q * s_j / s_T), dequantized."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for t0 in range(0, q.shape[0], tile):
+        s = scale[t0:t0 + tile].float()
+        s_t = s.amax(dim=0, keepdim=True)
+        ratio = torch.where(s_t > 0, s / s_t, torch.zeros_like(s))
+        out[t0:t0 + tile] = I8.rni(q[t0:t0 + tile].float() * ratio.unsqueeze(-1)) * s_t.unsqueeze(-1)
+    return out
+
+
+def ki8t(x: torch.Tensor) -> torch.Tensor:
+    """``ki8`` requantized to one scale per K tile (issue 21's uniform tile scale)."""
+    q, s = I8.quantize_k_per_token(x)
+    return requantize_per_tile(q, s)
+
+
+def ki4t(x: torch.Tensor) -> torch.Tensor:
+    """``ki4`` (i4rs) expanded to its INT8 image and requantized to one scale per K tile."""
+    k8, k4p, bs, s = I8.quantize_i4rs(x)
+    return requantize_per_tile(I8.i4rs_to_int8(k8, k4p, bs), s)
+
+
 K_FORMATS = {
+    "ki8t": ki8t,
+    "ki4t": ki4t,
     "k4": lambda x: k4(x),
     "k4e": lambda x: k4(x, scales="e4m3"),
     "k4f": lambda x: k4(x, scales="fp32"),
@@ -265,7 +298,7 @@ def equalizer(k_cal: torch.Tensor) -> torch.Tensor:
 # configurations
 
 P_ROUNDING = {"p16": torch.float16, "pbf": torch.bfloat16}     # P rounded to a 16-bit PV MMA operand
-Q_TILES = {"qi8s64": 64}                                          # Q tile rows where not Q_TILE
+Q_TILES = {"qi8s64": 64, "qi8sH": 1 << 30}                       # Q tile rows where not Q_TILE (H: one per head)
 
 
 def parse(name: str) -> dict:
@@ -278,7 +311,7 @@ def parse(name: str) -> dict:
     if name == "exact":
         return cfg
     for part in name.split("+"):
-        if part in ("q8", "q8s", "qi8", "qi8s", "qi8s64"):
+        if part in ("q8", "q8s", "qi8", "qi8s", "qi8s64", "qi8sH"):
             cfg["q"] = part
         elif part == "p8":
             cfg["p"] = True
@@ -403,9 +436,9 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
     ke = _expand(k_eff.to(dtype), heads)
     bias = None
     if cfg["q"] is not None:
-        smooth = cfg["q"] in ("q8s", "qi8s", "qi8s64")
+        smooth = cfg["q"] in ("q8s", "qi8s", "qi8s64", "qi8sH")
         quant = I8.quantize_q_per_tile if cfg["q"].startswith("qi") else quantize_per_tile
-        tile = Q_TILES.get(cfg["q"], Q_TILE)
+        tile = min(Q_TILES.get(cfg["q"], Q_TILE), max(1, q.shape[0]))   # qi8sH: one tile of all the rows
         mu = qf.mean(dim=0) if smooth and q.shape[0] > 0 else torch.zeros_like(qf[0])
         q_eff = torch.empty_like(qf, dtype=dtype)
         for h in range(heads):

@@ -180,3 +180,20 @@ def test_v_smoothing_sink_page(outlier):
     assert torch.allclose(o, want, rtol=0, atol=1e-5), float((o - want).abs().max())
     o_plain, _ = eb.quantized_attention(q, k, v, eb.parse("v8s"), cal=cal)
     assert (o_plain - want).abs().max() > 1e-2                 # the sink page's handling is visible
+
+
+def test_per_tile_k_requantization():
+    """ki8t / ki4t: one scale per 128-key tile (the tile's largest token scale); equal to the per-token format when
+    every token has the same scale, coarser when the scales differ, and never coarser than the tile's own grid."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 2, 64, generator=g)
+    same = x / x.abs().amax(dim=-1, keepdim=True)           # every token's amax 1: one scale per tile already
+    assert torch.equal(eb.ki8t(same), eb.ki8(same))
+    x[::7] *= 0.1                                           # small tokens share their tile's large scale
+    e_tok, e_tile = (eb.ki8(x) - x).norm(), (eb.ki8t(x) - x).norm()
+    assert e_tile > 1.2 * e_tok
+    step = x.abs().amax(dim=-1).reshape(2, 128, 2).amax(dim=1) / 127        # [tile, head]
+    err = (eb.ki8t(x) - x).abs().amax(dim=-1).reshape(2, 128, 2).amax(dim=1)
+    assert (err <= step * (1 + 1e-3)).all()   # double rounding: half a token step + half a tile step
+    assert (eb.ki4t(x) - x).norm() >= 0.999 * (eb.ki4(x) - x).norm()
+    assert eb.parse("qi8sH+ki8t@all+p8+v8")["q"] == "qi8sH"

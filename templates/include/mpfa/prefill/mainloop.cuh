@@ -6,6 +6,8 @@
 // once it completes, in kParts column parts; bf16: O is rescaled before its MMA accumulates into it.
 // With kPingPong the two warpgroups take turns issuing (named barriers 2 and 3), so one warpgroup's softmax
 // runs while the tensor cores work on the other's tile (FlashAttention-3's ping-pong schedule).
+// Three consumer warpgroups run mainloop_serial instead: each tile's steps in order, no pipelining inside a
+// warpgroup (their registers are too few), the other warpgroups filling the tensor cores.
 #pragma once
 #include "mpfa/pipeline.cuh"
 #include "mpfa/wgmma.cuh"
