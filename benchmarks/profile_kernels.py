@@ -2,7 +2,7 @@
 Kinds: decode, append, prefill (see each function).
 
     ncu --clock-control none --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
-        python -m benchmarks.profile_kernels decode qk4pv8
+        python -m benchmarks.profile_kernels decode qk4pv8 [batch context page_size]
 """
 from __future__ import annotations
 
@@ -63,4 +63,5 @@ def prefill(recipe: str, shape: str = "16K", compensation: bool = True, launches
 
 
 if __name__ == "__main__":
-    {"decode": decode, "append": append, "prefill": prefill}[sys.argv[1]](*sys.argv[2:])
+    args = [int(a) if a.isdigit() else a for a in sys.argv[2:]]   # e.g. decode qk4pv8 32 32768 1
+    {"decode": decode, "append": append, "prefill": prefill}[sys.argv[1]](*args)
