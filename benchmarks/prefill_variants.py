@@ -5,10 +5,10 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
-``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``); the default build is always the first variant and the reference for the
+``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``); the default build is always the first variant and the reference for the
 output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
 that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
-its cache, page order and plan, compensation on for the quantized recipes). Rows go to ``--out`` (default
+its cache, page order and plan; compensation on for the quantized recipes unless ``--compensation off``). Rows go to ``--out`` (default
 benchmarks/results/studies/prefill_variants_h200.json) with the meta of the run; this is a study (a
 speed claim goes through the prefill suite beside its peers).
 """
@@ -66,13 +66,16 @@ def retile(w, knobs: dict) -> None:
     a.num_tiles = len(tiles)
 
 
-def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None) -> list[dict]:
+def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None,
+        compensation: bool = True) -> list[dict]:
     """Every variant at one of the prefill suite's shapes and one recipe; ``on_row`` gets each row as it is
-    measured (the caller writes the file then: a variant that hangs its kernel leaves the rows before it)."""
+    measured (the caller writes the file then: a variant that hangs its kernel leaves the rows before it).
+    ``compensation`` (quantized recipes): Q smoothing + the rank-one term on, as served, or off (the
+    ``tile_scale`` build's uniform-scale softmax runs only without it)."""
     import torch
     from benchmarks.timing import bench
     fns = build(recipe, variants)
-    case = suite._case("mpfa", recipe, shape, dict(suite.SHAPES)[shape], recipe != "bf16" or None)
+    case = suite._case("mpfa", recipe, shape, dict(suite.SHAPES)[shape], compensation if recipe != "bf16" else None)
     w, q, layer = suite.mpfa_setup(case, torch.Generator(device="cuda").manual_seed(seed))
     rows, ref = [], None
     for variant, fn in zip(variants, fns):
@@ -86,6 +89,7 @@ def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lam
         diff = (out.float() - ref)
         t = bench(lambda: w.run(q, layer, out=out))
         rows.append({"recipe": recipe, "shape": shape, "variant": variant or {"default": True},
+                     "compensation": compensation if recipe != "bf16" else None,
                      "ms": t.median, "tflops": case["flops"] / (t.median * 1e-3) / 1e12, "spread": t.p80 / t.p20 - 1,
                      "finite": bool(torch.isfinite(out).all()), "max_abs_diff": float(diff.abs().max()),
                      "rel_l2": float(diff.norm() / ref.norm())})
@@ -102,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
     ap.add_argument("--variants", nargs="+", default=["poly_every=8", "poly_every=4", "poly_every=2", "persistent=1"])
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR / "studies"))
+    ap.add_argument("--compensation", choices=["on", "off"], default="on",
+                    help="quantized recipes: Q smoothing + compensation as served (on) or off (default %(default)s)")
     ap.add_argument("--name", default="prefill_variants_h200",
                     help="results file name under --out, without .json (one file per study; default %(default)s)")
     args = ap.parse_args(argv)
@@ -129,7 +135,7 @@ def main(argv=None) -> int:
                          Path(args.out))
     for shape in shapes:
         for r in recipes:
-            run(shape, r, variants, on_row=keep)
+            run(shape, r, variants, on_row=keep, compensation=args.compensation == "on")
     return 0
 
 

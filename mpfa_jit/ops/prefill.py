@@ -31,7 +31,7 @@ MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out
 # takes the template's default (the served build sets none).
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1), "consumers": (2, 3)}
+         "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1)}
 
 
 def tile_rows(knobs: dict | None = None) -> tuple[int, int]:

@@ -215,3 +215,21 @@ def test_parse_int_configs():
     assert (c["k"], c["mu"], c["v"], c["corr"]) == ("kt8", "none", "t8", None)
     with pytest.raises(ValueError):
         eb.parse("ki5@all")
+
+
+def test_requantize_k_tile_is_the_tiles_largest_scale():
+    requantize_k_tile = I8.requantize_k_tile
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(128, 64, generator=g)
+    x[7] *= 0.05
+    q, s = I8.quantize_k_per_token(x)
+    q2, s_t = requantize_k_tile(q, s)
+    assert s_t == s.max() and q2.dtype == torch.int8
+    assert torch.equal(q2[s.argmax()], q[s.argmax()])                       # the largest token keeps its bytes
+    assert (q2.float() * s_t - q.float() * s.unsqueeze(-1)).abs().max() <= 0.5 * s_t * (1 + 1e-6)
+    assert q2[7].abs().max() < q[7].abs().max()                               # a small token loses resolution
+    z, s0 = requantize_k_tile(torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4))
+    assert s0 == 0 and not z.any()
+    s_nan = s.clone()
+    s_nan[3] = float("nan")
+    assert torch.isnan(requantize_k_tile(q, s_nan)[1])

@@ -175,7 +175,7 @@ def test_library_params_layout_matches_the_mirror(jit_cache):
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("knobs", [dict(persistent=1, poly_every=4, fac_vec=0), dict(pingpong=0, stages=4),
-                                   dict(consumers=3, pingpong=0),
+                                   dict(consumers=3, pingpong=0), dict(tile_scale=1, consumers=3, pingpong=0),
                                    dict(stages=2, poly_every=16)])
 def test_study_knob_builds_compile_without_spills(knobs, jit_cache, kernel_resources):
     spec = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=knobs)

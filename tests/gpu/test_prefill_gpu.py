@@ -177,3 +177,66 @@ def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
     w = mpfa.BatchPrefillWrapper(torch.empty(64, dtype=torch.uint8, device="cuda"))
     with pytest.raises(ValueError, match="workspace_buffer"):
         w.plan(qo, indptr, idx, last, 8, 2, 128, 16, recipe="qk4pv8")
+
+
+def _tile_scaled_k(layer, recipe, ids, n, head_dim):
+    """A request's K ``[n, Hkv, D]`` as the ``tile_scale`` build without compensation scores it: each 128-key
+    tile's INT8 operand rows requantized to the tile's largest token scale (mpfa.recipes.int8.requantize_k_tile)."""
+    from mpfa.recipes.int8 import i4rs_to_int8, requantize_k_tile
+    from mpfa_jit.ops.prefill import KV_TILE
+    f = layer.fields
+    if recipe == "qk8pv8":
+        ints = f["k"]
+    else:
+        ints = i4rs_to_int8(f["k8"], f["k"], f["k_block_scale"][..., : head_dim // 32])
+    ints, scales = gather_pages(ints, ids, n).float(), gather_pages(f["k_scale"].unsqueeze(-1), ids, n)[..., 0]
+    out = torch.empty(ints.shape, dtype=torch.float64, device=ints.device)
+    for t0 in range(0, n, KV_TILE):
+        for h in range(ints.shape[1]):
+            q8, s_t = requantize_k_tile(ints[t0:t0 + KV_TILE, h], scales[t0:t0 + KV_TILE, h])
+            out[t0:t0 + KV_TILE, h] = q8.double() * s_t.double()
+    return out
+
+
+STUDY_BUILDS = [{"consumers": 3, "pingpong": 0}, {"tile_scale": 1}, {"tile_scale": 1, "consumers": 3, "pingpong": 0}]
+
+
+@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+@pytest.mark.parametrize("head_dim,page_size", [(128, 16), (128, 1), (64, 16)])
+@pytest.mark.parametrize("knobs", STUDY_BUILDS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs, paged_batch, bf16_rows,
+                                             shared_jit_cache):
+    """The prefill study builds (benchmarks/prefill_variants.py) against the same references as the served one:
+    three consumer warpgroups change only the schedule; tile_scale without compensation scores each K tile
+    under one scale (its own reference), with compensation it is the served numerics."""
+    from benchmarks.prefill_variants import retile
+    from mpfa.prefill import bind
+    from mpfa_jit import get_kernel
+    from mpfa_jit.ops import prefill as prefill_op
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"study-{recipe}-{head_dim}-{page_size}-{knobs}".encode()))
+    hkv, group = 2, 4
+    requests = _requests(page_size)
+    layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, head_dim, page_size, hkv, requests,
+                                                            gen)
+    q = bf16_rows(int(qo[-1]), hkv * group, head_dim, gen)
+    fn = bind(get_kernel(prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch="sm_90a",
+                                         group_size=group, knobs=knobs)))
+    for compensation in (True, False):
+        w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+        w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=True, recipe=recipe,
+               compensation=compensation)
+        w._plan.kernel.fn = fn
+        retile(w, knobs)
+        out = torch.full_like(q, float("nan"))
+        o, lse = w.run(q, layer, out=out, return_lse=True)
+        torch.cuda.synchronize()
+        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
+                                   compensation=compensation)
+        if knobs.get("tile_scale") and not compensation:
+            _, vd = layer.dequantize(dtype=torch.float64)
+            for b, n in enumerate(lengths):
+                rows = slice(int(qo[b]), int(qo[b + 1]))
+                ids = indices[int(indptr[b]):int(indptr[b + 1])]
+                quant[b] = recipe_attention(q[rows], _tile_scaled_k(layer, recipe, ids, n, head_dim),
+                                            gather_pages(vd, ids, n), recipe=recipe, causal=True, compensation=False)
+        _check(o, lse, qo, exact, quant, f"{knobs} compensation={compensation}")

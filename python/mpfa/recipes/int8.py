@@ -138,6 +138,17 @@ def dequantize_k_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale.float().unsqueeze(-1)
 
 
+def requantize_k_tile(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One K tile's INT8 operand rows ``q [keys, D]`` (INT8 K, or i4rs's INT8 image) under per-key scales
+    ``scale [keys]`` -> the same keys under the tile's largest scale s_T: ``(rni(q * (s_j / s_T)) int8, s_T)``
+    (the prefill's ``tile_scale`` study build without compensation; the ratio is <= 1, so no clamp). A NaN
+    scale makes s_T NaN (the tile's bytes are then unspecified); an all-zero tile keeps s_T = 0."""
+    s = scale.float()
+    s_t = s.amax() if not torch.isnan(s).any() else torch.tensor(float("nan"))
+    ratio = s / s_t if s_t > 0 else torch.zeros_like(s)
+    return rni(q.float() * ratio.unsqueeze(-1)).to(torch.int8), s_t
+
+
 # ---------------------------------------------------------------------------------------------
 # i4rs
 

@@ -20,5 +20,6 @@ constexpr int kStages = 3;
 constexpr bool kPingPong = 1;
 constexpr int kPolyEvery = 0;
 constexpr bool kPersistent = 0;
+constexpr bool kTileScale = 0;
 
 }  // namespace

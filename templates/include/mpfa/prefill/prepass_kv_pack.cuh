@@ -104,6 +104,33 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
   }
   if (kQuant && tid < kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
   __syncthreads();
+  // kTileScale without compensation: the staged INT8 rows requantized to the tile's largest token scale s_T,
+  // byte for byte as python/mpfa/recipes/int8.py requantize_k_tile (rni(k * (s_j / s_T))); a non-finite key
+  // (NaN scale) makes s_T, and so its whole tile, NaN.
+  __shared__ float tile_scale;
+  const bool uniform = kQuant && kTileScale && p.fb == nullptr;
+  if (uniform) {
+    if (tid < 32) {
+      float m = 0.f;
+      for (int k = tid; k < kPackKeys; k += 32) m = mpfa::max_nan(m, ks[k]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = mpfa::max_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
+      if (tid == 0) tile_scale = m;
+    }
+    __syncthreads();
+    const float s_t = tile_scale;
+    for (int u = tid; u < kPackKeys * (kQKRow / 4); u += kPackThreads) {
+      const int key = u / (kQKRow / 4), c4 = u % (kQKRow / 4);
+      uint32_t* wp = reinterpret_cast<uint32_t*>(st + kPackOffK + key * kStRow + 4 * c4);
+      const uint32_t w = *wp;
+      const float r = s_t > 0.f ? __fdiv_rn(ks[key], s_t) : (s_t == 0.f ? 0.f : s_t);   // <= 1: no clamp needed
+      float y[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] = __fmul_rn(static_cast<float>(static_cast<int8_t>(w >> (8 * e))), r);
+      *wp = mpfa::pack_s8x4(y[0], y[1], y[2], y[3]);
+    }
+    __syncthreads();
+  }
 
   // K image: image chunk o holds (row, column) = swizzle(o) of its column block (an involution; the
   // swizzle stays inside a row, so this block's keys are kPackKeys whole rows of each column block).
@@ -160,7 +187,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
     }
   }
   if constexpr (kQuant) {
-    if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = ks[tid] * p.score_scale;
+    if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = (uniform ? tile_scale : ks[tid]) * p.score_scale;
     // Compensation: fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * score_scale for the group's heads.
     if (p.fb != nullptr) {
       const int key = tid % kBN;

@@ -3,7 +3,8 @@
 //   softmax_max: scores scaled (quantized: fa_j * sq * s + fb_j on the INT8 MMA's integer s; bf16:
 //     score_scale * s), masked, row maxima;
 //     m_run advances, l_run takes the factor corr, which O must take too;
-//   softmax_exp: P = exp2(s - base) (FP8: base includes -log2 448, so P lands scaled for e4m3), summed into l_run;
+//   softmax_exp: P = exp2(s - base) (FP8: base includes -log2 448, so P lands scaled for e4m3), summed into l_run
+//     (kTileScale without compensation: the scores stay raw and the tile's one scale rides the exp's FFMA);
 // then pack_p packs P in registers as the A operand of the PV MMA.
 #pragma once
 #include <math_constants.h>
@@ -20,6 +21,10 @@ struct SoftmaxRows {
   float m_run[2];   // running maxima (scaled scores, log2 domain)
   float l_run[2];   // running sums of P over the thread's columns (times 448 for FP8)
   float base[2];    // what the current tile's exp2 subtracts
+  // kTileScale without compensation: the current tile's scores stay raw (x = kRoundMagic + S) and exp2 takes
+  // fma(x, a, c[h]), c[h] = -(kRoundMagic * a + base[h]).
+  bool uniform;
+  float a, c[2];
 };
 
 // What the mask needs of the thread's rows and the item.
@@ -48,37 +53,48 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   const float* fa = reinterpret_cast<const float*>(smem + kOffFa + s * kFac);
   const float* fb = reinterpret_cast<const float*>(smem + kOffFb + s * kFac);
   float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  // One scale for the whole tile (kv_pack wrote s_T * score_scale as every key's fa): the maxima are taken on
+  // the raw x = kRoundMagic + S (monotone in S), and the scale rides the exp's FFMA (softmax_exp).
+  st.uniform = kQuant && kTileScale && p.fb == nullptr;
+  if (st.uniform) {
+    const float a = fa[0] * sq;
+    st.a = a == 0.f ? __int_as_float(0x00800000) : a;   // zero Q tile: masked -inf must stay -inf (-inf * 0 is NaN)
 #pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    if constexpr (kQuant) {
-      float2 a2, b2;   // b2: zeros without compensation
-      if constexpr (kFacVec) {   // one 16-byte load serves groups j and j + 1
-        const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
-        const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
-        const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
-        a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
-        b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
+    for (int i = 0; i < kSRegs; ++i) sc[i] = __uint_as_float(__float_as_uint(sc[i]) + mpfa::kRoundMagicBits);
+  }
+  if (!(kQuant && kTileScale && st.uniform)) {
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+      if constexpr (kQuant) {
+        float2 a2, b2;   // b2: zeros without compensation
+        if constexpr (kFacVec) {   // one 16-byte load serves groups j and j + 1
+          const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
+          const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
+          const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
+          a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
+          b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
+        } else {
+          a2 = *reinterpret_cast<const float2*>(fa + 8 * j + 2 * c);
+          b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
+        }
+        a2.x *= sq; a2.y *= sq;
+        // S is int32 (|S| <= 128 * 127^2 < 2^22): the float with bits kRoundMagicBits + S is kRoundMagic + S
+        // exactly (one IADD on the integer pipe; I2F would run on the XU pipe, 16 a clock per SM, beside the
+        // softmax's MUFU.EX2), and the key's offset absorbs -kRoundMagic * a (one FFMA per key, not per score).
+        // That offset's rounding errs by at most one integer unit of S (times a), far below the INT8
+        // products' own rounding; subtracting kRoundMagic exactly instead costs an FADD per score (32 more
+        // instructions per tile and thread than the FFMA per key).
+        b2.x = fmaf(-mpfa::kRoundMagic, a2.x, b2.x);
+        b2.y = fmaf(-mpfa::kRoundMagic, a2.y, b2.y);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = __uint_as_float(__float_as_uint(sc[4 * j + e]) + mpfa::kRoundMagicBits);
+          sc[4 * j + e] = fmaf(x, (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
+        }
       } else {
-        a2 = *reinterpret_cast<const float2*>(fa + 8 * j + 2 * c);
-        b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
-      }
-      a2.x *= sq; a2.y *= sq;
-      // S is int32 (|S| <= 128 * 127^2 < 2^22): the float with bits kRoundMagicBits + S is kRoundMagic + S
-      // exactly (one IADD on the integer pipe; I2F would run on the XU pipe, 16 a clock per SM, beside the
-      // softmax's MUFU.EX2), and the key's offset absorbs -kRoundMagic * a (one FFMA per key, not per score).
-      // That offset's rounding errs by at most one integer unit of S (times a), far below the INT8
-      // products' own rounding; subtracting kRoundMagic exactly instead costs an FADD per score (32 more
-      // instructions per tile and thread than the FFMA per key).
-      b2.x = fmaf(-mpfa::kRoundMagic, a2.x, b2.x);
-      b2.y = fmaf(-mpfa::kRoundMagic, a2.y, b2.y);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = __uint_as_float(__float_as_uint(sc[4 * j + e]) + mpfa::kRoundMagicBits);
-        sc[4 * j + e] = fmaf(x, (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
+        for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;
       }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;
     }
   }
   // Only the tiles on the diagonal or past the length pay for the mask (a branch, not predication:
@@ -110,24 +126,27 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    if (kQuant && kTileScale && st.uniform) mx[h] = (mx[h] - mpfa::kRoundMagic) * st.a;   // -inf stays -inf
     const float m_new = fmaxf(st.m_run[h], mx[h]);
     const float m_ref = m_new == -CUDART_INF_F ? 0.f : m_new;
     corr[h] = mpfa::ex2(st.m_run[h] - m_ref);            // 0 while m_run was -inf (o, l are 0 then)
     st.base[h] = kQuant ? m_ref - kLog2P : m_ref;
+    if (kQuant && kTileScale && st.uniform) st.c[h] = -fmaf(mpfa::kRoundMagic, st.a, st.base[h]);
     st.m_run[h] = m_new;
     st.l_run[h] *= corr[h];
   }
 }
 
 // Phase 2: sc becomes P (fp32, scaled by 448 for FP8); l_run sums it. Every kPolyEvery-th score's exp2 runs
-// on the FMA pipe (mpfa::ex2_poly), the rest on MUFU.
-__device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st) {
+// on the FMA pipe (mpfa::ex2_poly), the rest on MUFU. kUniform: the raw scores of a kTileScale tile.
+template <bool kUniform>
+__device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxRows& st) {
   float lp[2][4];   // 4 independent sums per row, as for the maxima
 #pragma unroll
   for (int k = 0; k < 8; ++k) lp[k / 4][k % 4] = 0.f;
 #pragma unroll
   for (int i = 0; i < kSRegs; ++i) {
-    const float x = sc[i] - st.base[(i >> 1) & 1];
+    const float x = kUniform ? fmaf(sc[i], st.a, st.c[(i >> 1) & 1]) : sc[i] - st.base[(i >> 1) & 1];
     const float pr = (kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) ? mpfa::ex2_poly(x)
                                                                                                 : mpfa::ex2(x);
     lp[(i >> 1) & 1][(i >> 2) & 3] += pr;
@@ -135,6 +154,11 @@ __device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) st.l_run[h] += (lp[h][0] + lp[h][1]) + (lp[h][2] + lp[h][3]);
+}
+
+__device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st) {
+  if (kQuant && kTileScale && st.uniform) softmax_exp_scores<true>(sc, st);
+  else softmax_exp_scores<false>(sc, st);
 }
 
 // P -> the PV MMA's A fragments. FP8: the accumulator -> A-fragment mismatch (a thread holds keys 2c, 2c+1,
