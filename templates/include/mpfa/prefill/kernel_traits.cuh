@@ -90,7 +90,7 @@ constexpr int kOffK = kOffQ + kBM * kQKRow;
 constexpr int kOffV = kOffK + kStages * kImgK;
 constexpr int kOffFa = kOffV + kStages * kImgV;
 constexpr int kOffFb = kOffFa + kStages * kFac;
-constexpr int kOffRed = kOffFb + kStages * kFac;    // 8 floats for the Q amax
+constexpr int kOffRed = kOffFb + kStages * kFac;    // the Q amax: one float per consumer warp (<= 16)
 constexpr int kOffBar = kOffRed + 64;               // full_k[S], full_v[S], empty[S]
 constexpr int kSmemUsed = kOffBar + 3 * kStages * 8;
 constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base to 1024 bytes

@@ -1,8 +1,9 @@
 // The consumers' Q tile: kBM rows of one query head into shared memory as the QK MMA's A operand
 // (swizzled like the K image). Quantized recipes smooth it by mu_Q and quantize it to INT8 with one scale
 // per kQScaleRows rows (amax / 127 over the scale tile's valid rows, reduced by the scale tile's own threads
-// through a named barrier), byte for byte as python/mpfa/recipes/int8.py quantize_q_per_tile. The amax propagates NaN: a tile holding a NaN or an
-// infinity gets a NaN scale, which the softmax multiplies into every score of the tile.
+// through a named barrier), byte for byte as python/mpfa/recipes/int8.py quantize_q_per_tile. The amax
+// propagates NaN: a tile holding a NaN or an infinity gets a NaN scale, which the softmax multiplies into
+// every score of the tile.
 #pragma once
 #include <cuda_bf16.h>
 #include "mpfa/common.cuh"
@@ -23,7 +24,8 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
   constexpr int kQUnits = kQScaleRows * kQChunks / kQScaleThreads;   // units per consumer thread
   static_assert(kQScaleRows * kQChunks % kQScaleThreads == 0, "Q units divide among the consumer threads");
   static_assert(kConsumers / 32 <= 16, "red holds one float per consumer warp");
-  // Quantized: the threads of scale tile `grp` load its rows (unit gu of the tile: row gu / kQChunks).
+  // Quantized: the kQScaleThreads threads of scale tile `grp` load its rows (gt: the thread's index among them;
+  // unit u of the tile is its row u / kQChunks, chunk u % kQChunks).
   const int grp = kQScaleGroups == 1 ? 0 : ct / kQScaleThreads;   // ct < kConsumers: the compiler cannot see it
   const int gt = kQScaleGroups == 1 ? ct : ct % kQScaleThreads, row0 = grp * kQScaleRows;
   const int nh = p.num_qo_heads, b = it.b, hq = it.hq, rows = it.rows;
