@@ -117,6 +117,7 @@ from mpfa.recipes.fp4 import BLOCK, E2M1_MAX, TOKEN_TARGET, e2m1_codes, e2m1_val
 from mpfa.recipes import int8 as I8
 from mpfa.recipes.fp8 import E4M3_DTYPE, E4M3_MAX, amax_scale, quantize_e4m3, quantize_per_tile, quantize_per_token
 from mpfa.reference.attention import P_SCALE, _run, attention
+from mpfa_jit.ops.prefill import KV_TILE
 
 from .metrics import ErrorAccumulator
 
@@ -236,19 +237,15 @@ def kt8(x: torch.Tensor) -> torch.Tensor:
 # the per-key scale each integer format stores (the correction ~c is stored under it): row amax -> target
 K_SCALE_TARGET = {"ki8": I8.INT8_MAX, "ki4t127": 127.0}
 
-KV_TILE = 128   # keys per prefill K tile image
-
-
 def requantize_per_tile(q: torch.Tensor, scale: torch.Tensor, tile: int = KV_TILE) -> torch.Tensor:
     """Integer K ``q [m, H_kv, D]`` (values of INT8 MMA operands) under per-token scales ``scale [m, H_kv]``,
-    requantized to one scale per ``tile`` consecutive keys (the tile's largest token scale), as a prefill
-    pre-pass would write a uniform-scale K image: rni(q * s_j / s_T), dequantized."""
+    requantized to one scale per ``tile`` consecutive keys and head (:func:`mpfa.recipes.int8.requantize_k_tile`,
+    what the prefill's ``tile_scale`` pre-pass writes), dequantized."""
     out = torch.empty(q.shape, dtype=torch.float32)
     for t0 in range(0, q.shape[0], tile):
-        s = scale[t0:t0 + tile].float()
-        s_t = s.amax(dim=0, keepdim=True)
-        ratio = torch.where(s_t > 0, s / s_t, torch.zeros_like(s))
-        out[t0:t0 + tile] = I8.rni(q[t0:t0 + tile].float() * ratio.unsqueeze(-1)) * s_t.unsqueeze(-1)
+        for h in range(q.shape[1]):
+            q8, s_t = I8.requantize_k_tile(q[t0:t0 + tile, h], scale[t0:t0 + tile, h])
+            out[t0:t0 + tile, h] = q8.float() * s_t
     return out
 
 

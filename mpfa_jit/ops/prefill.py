@@ -36,10 +36,10 @@ KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16)
 
 def tile_rows(knobs: dict | None = None) -> tuple[int, int]:
     """(query rows per CTA, query rows per INT8 Q scale) of a build. The Q scale tile is the recipe's
-    (mpfa.recipes.int8.Q_TILE, whole 64-row warpgroups); the CTA holds Q_TILE rows, or 192 with the study knob
-    ``consumers=3`` (three consumer warpgroups; with ``pingpong=0``)."""
+    (mpfa.recipes.int8.Q_TILE, whole 64-row warpgroups); the CTA holds Q_TILE rows, two consumer warpgroups'
+    worth, or three warpgroups' with the study knob ``consumers=3`` (with ``pingpong=0``)."""
     from mpfa.recipes.int8 import Q_TILE as q_scale_rows   # imported here: mpfa imports mpfa_jit at module level
-    return (192 if (knobs or {}).get("consumers", 2) == 3 else Q_TILE), q_scale_rows
+    return Q_TILE // 2 * (knobs or {}).get("consumers", 2), q_scale_rows
 
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:

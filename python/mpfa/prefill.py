@@ -11,8 +11,9 @@ Kernel path (sm_90a, templates/prefill.cu.jinja): a pre-pass turns the request's
 K/V into MMA-ready tile images in the workspace (INT8 or bf16 K, transposed V, per-key factors and
 the compensation vector), then a warp-specialized wgmma kernel (quantized recipes: IGMMA for QK, QGMMA
 for PV; HGMMA for bf16) runs one CTA per (128-row query tile, query head), one INT8 Q scale per 64 rows.
-``plan`` validates, builds the query-tile list (longest KV first) and the KV-tile list, copies them and the page table into int32 device
-buffers, carves the workspace, and builds/loads the kernel. ``run`` only launches: no host sync.
+``plan`` validates, builds the query-tile list (longest KV first) and the KV-tile list, copies them and the
+page table into int32 device buffers, carves the workspace, and builds/loads the kernel. ``run`` only
+launches: no host sync.
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def requantize_k_tile(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     (the prefill's ``tile_scale`` study build without compensation; the ratio is <= 1, so no clamp). A NaN
     scale makes s_T NaN (the tile's bytes are then unspecified); an all-zero tile keeps s_T = 0."""
     s = scale.float()
-    s_t = s.amax() if not torch.isnan(s).any() else torch.tensor(float("nan"))
+    s_t = s.amax()   # propagates NaN
     ratio = s / s_t if s_t > 0 else torch.zeros_like(s)
     return rni(q.float() * ratio.unsqueeze(-1)).to(torch.int8), s_t
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include "mpfa/cache_layout.cuh"
 #include "mpfa/quant.cuh"
+#include "mpfa/prefill/params.cuh"
 #ifndef MPFA_PREFILL_SPECIALIZATION
 #include "mpfa/prefill/editor_defaults.cuh"
 #endif
@@ -78,7 +79,7 @@ constexpr int kThreads = 128 + kConsumers;
 // Registers per thread after setmaxnreg: the producer's 24 leave (65536 - 128 * 24) / kConsumers, rounded
 // down to a multiple of 8.
 constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / kConsumers / 8 * 8;   // 240 or 160
 static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "the register file holds every warpgroup");
 static_assert(!kPingPong || kConsumerWGs == 2, "the ping-pong schedule pairs two warpgroups");
 // INT8 Q: one scale per kQScaleRows query rows (a whole number of warpgroups, within one CTA).
@@ -96,6 +97,11 @@ constexpr int kSmemUsed = kOffBar + 3 * kStages * 8;
 constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base to 1024 bytes
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA exceeds the SM's 227 KB: use fewer stages");
 static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "MMA tiles 1024-aligned");
+
+// kTileScale builds without compensation (p.fb null): every K image carries one scale (kv_pack requantizes the
+// tile and writes s_T as every key's fa) and the softmax takes its uniform-scale path. The pre-pass and the
+// main kernel must agree on this one test.
+__device__ __forceinline__ bool uniform_k_tiles(const KernelParams& p) { return kQuant && kTileScale && p.fb == nullptr; }
 
 // 4 floats -> 4 e4m3 bytes (the FP8 P fragment).
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
   // byte for byte as python/mpfa/recipes/int8.py requantize_k_tile (rni(k * (s_j / s_T))); a non-finite key
   // (NaN scale) makes s_T, and so its whole tile, NaN.
   __shared__ float tile_scale;
-  const bool uniform = kQuant && kTileScale && p.fb == nullptr;
+  const bool uniform = uniform_k_tiles(p);
   if (uniform) {
     if (tid < 32) {
       float m = 0.f;
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
       const int key = u / (kQKRow / 4), c4 = u % (kQKRow / 4);
       uint32_t* wp = reinterpret_cast<uint32_t*>(st + kPackOffK + key * kStRow + 4 * c4);
       const uint32_t w = *wp;
-      const float r = s_t > 0.f ? __fdiv_rn(ks[key], s_t) : (s_t == 0.f ? 0.f : s_t);   // <= 1: no clamp needed
+      const float r = s_t == 0.f ? 0.f : __fdiv_rn(ks[key], s_t);   // <= 1 (NaN with s_T): no clamp needed
       float y[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) y[e] = __fmul_rn(static_cast<float>(static_cast<int8_t>(w >> (8 * e))), r);

@@ -25,6 +25,7 @@ struct SoftmaxRows {
   // fma(x, a, c[h]), c[h] = -(kRoundMagic * a + base[h]).
   bool uniform;
   float a, c[2];
+  __device__ __forceinline__ bool uniform_tile() const { return kQuant && kTileScale && uniform; }
 };
 
 // What the mask needs of the thread's rows and the item.
@@ -55,14 +56,14 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
   // One scale for the whole tile (kv_pack wrote s_T * score_scale as every key's fa): the maxima are taken on
   // the raw x = kRoundMagic + S (monotone in S), and the scale rides the exp's FFMA (softmax_exp).
-  st.uniform = kQuant && kTileScale && p.fb == nullptr;
-  if (st.uniform) {
+  st.uniform = uniform_k_tiles(p);
+  if (st.uniform_tile()) {
     const float a = fa[0] * sq;
     st.a = a == 0.f ? __int_as_float(0x00800000) : a;   // zero Q tile: masked -inf must stay -inf (-inf * 0 is NaN)
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) sc[i] = __uint_as_float(__float_as_uint(sc[i]) + mpfa::kRoundMagicBits);
   }
-  if (!(kQuant && kTileScale && st.uniform)) {
+  if (!st.uniform_tile()) {
 #pragma unroll
     for (int j = 0; j < kBN / 8; ++j) {
       if constexpr (kQuant) {
@@ -126,12 +127,12 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    if (kQuant && kTileScale && st.uniform) mx[h] = (mx[h] - mpfa::kRoundMagic) * st.a;   // -inf stays -inf
+    if (st.uniform_tile()) mx[h] = (mx[h] - mpfa::kRoundMagic) * st.a;   // -inf stays -inf
     const float m_new = fmaxf(st.m_run[h], mx[h]);
     const float m_ref = m_new == -CUDART_INF_F ? 0.f : m_new;
     corr[h] = mpfa::ex2(st.m_run[h] - m_ref);            // 0 while m_run was -inf (o, l are 0 then)
     st.base[h] = kQuant ? m_ref - kLog2P : m_ref;
-    if (kQuant && kTileScale && st.uniform) st.c[h] = -fmaf(mpfa::kRoundMagic, st.a, st.base[h]);
+    if (st.uniform_tile()) st.c[h] = -fmaf(mpfa::kRoundMagic, st.a, st.base[h]);
     st.m_run[h] = m_new;
     st.l_run[h] *= corr[h];
   }
@@ -157,7 +158,7 @@ __device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxR
 }
 
 __device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st) {
-  if (kQuant && kTileScale && st.uniform) softmax_exp_scores<true>(sc, st);
+  if (st.uniform_tile()) softmax_exp_scores<true>(sc, st);
   else softmax_exp_scores<false>(sc, st);
 }
 
