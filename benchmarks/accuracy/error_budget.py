@@ -115,8 +115,9 @@ import torch
 
 from mpfa.recipes.fp4 import BLOCK, E2M1_MAX, TOKEN_TARGET, e2m1_codes, e2m1_values, round_up_block_scale
 from mpfa.recipes import int8 as I8
-from mpfa.recipes.fp8 import E4M3_DTYPE, E4M3_MAX, amax_scale, quantize_e4m3, quantize_per_tile, quantize_per_token
-from mpfa.reference.attention import P_SCALE, _run, attention
+from mpfa.recipes.fp8 import (E4M3_DTYPE, E4M3_MAX, P_SCALE, amax_scale, quantize_e4m3, quantize_per_tile,
+                               quantize_per_token)
+from mpfa.reference.attention import _run, attention
 from mpfa_jit.ops.prefill import KV_TILE
 
 from .metrics import ErrorAccumulator

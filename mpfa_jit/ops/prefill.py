@@ -7,6 +7,7 @@ Causality and the GQA group are runtime arguments (one build serves both), so a 
 from __future__ import annotations
 
 import ctypes
+import math
 
 from ..spec import KernelSpec
 from .layout import layout_context
@@ -64,12 +65,20 @@ class PrefillParams(ctypes.Structure):
                 ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
 
 
+def p_scale(knobs: dict | None = None) -> float:
+    """The scale of P before its E4M3 rounding in a build (mpfa.recipes.fp8: P_SCALE; the study knob
+    ``tile_scale=1`` takes P_SCALE_POW2)."""
+    from mpfa.recipes.fp8 import P_SCALE, P_SCALE_POW2   # imported here: mpfa imports mpfa_jit at module level
+    return P_SCALE_POW2 if (knobs or {}).get("tile_scale") else P_SCALE
+
+
 def render_context(recipe: str, head_dim: int, knobs: dict | None = None) -> dict:
-    """What the template renders besides the key: the cache layout check and the tile sizes above."""
+    """What the template renders besides the key: the cache layout check, the tile sizes above and P's scale."""
     img = image_bytes(recipe, head_dim)
     q_tile, q_scale_rows = tile_rows(knobs)
     return dict(layout_context(recipe, head_dim), q_tile=q_tile, q_scale_rows=q_scale_rows, kv_tile=KV_TILE,
-                mu_rows=MU_ROWS, k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"])
+                mu_rows=MU_ROWS, k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"],
+                log2_p_scale=repr(math.log2(p_scale(knobs))))
 
 
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,

@@ -3,6 +3,7 @@ template's rendering, and nvcc builds for sm_90a with a SASS check (IGMMA for th
 QK and QGMMA for their PV, HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled) and
 the library's PrefillParams against its ctypes mirror."""
 import ctypes
+import math
 import re
 import subprocess
 
@@ -198,6 +199,9 @@ def test_prefill_variant_knobs_parse_and_render():
     base = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a")
     assert "constexpr int kPolyEvery = 4;" in op.spec(**base, knobs={"poly_every": 4}).render()
     assert "constexpr int kPolyEvery = 0;" in op.spec(**base).render()
+    # P's scale: the recipe's, or a power of two in the tile_scale build (its softmax relies on kLog2P = 8 exactly)
+    assert "constexpr float kLog2P = 8.0f;" in op.spec(**base, knobs={"tile_scale": 1}).render()
+    assert f"constexpr float kLog2P = {math.log2(448.0)!r}f;" in op.spec(**base).render()
     with pytest.raises(ValueError, match="poly_every=3"):
         op.spec(**base, knobs={"poly_every": 3})
     with pytest.raises(ValueError, match="nope"):

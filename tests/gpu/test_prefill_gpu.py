@@ -180,7 +180,7 @@ def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
 
 
 def _tile_scaled_k(layer, recipe, ids, n, head_dim):
-    """A request's K ``[n, Hkv, D]`` as the ``tile_scale`` build without compensation scores it: each 128-key
+    """A request's K ``[n, Hkv, D]`` as the ``tile_scale`` build scores it: each 128-key
     tile's INT8 operand rows requantized to the tile's largest token scale (mpfa.recipes.int8.requantize_k_tile)."""
     from mpfa.recipes.int8 import i4rs_to_int8, requantize_k_tile
     from mpfa_jit.ops.prefill import KV_TILE
@@ -207,8 +207,10 @@ STUDY_BUILDS = [{"consumers": 3, "pingpong": 0}, {"tile_scale": 1}, {"tile_scale
 def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs, paged_batch, bf16_rows,
                                              shared_jit_cache):
     """The prefill study builds (benchmarks/prefill_variants.py) against the same references as the served one:
-    three consumer warpgroups change only the schedule; tile_scale without compensation scores each K tile
-    under one scale (its own reference), with compensation it is the served numerics."""
+    three consumer warpgroups change only the schedule; tile_scale scores each K tile under one scale and
+    scales P by a power of two (its own reference: K requantized per tile, mpfa.recipes.fp8.P_SCALE_POW2).
+    tile_scale with compensation runs on the usual rows and on rows whose mean is ~10^4 times their spread
+    (the second Q: the compensation term carries nearly all of each score)."""
     from benchmarks.prefill_variants import retile
     from mpfa.prefill import bind
     from mpfa_jit import get_kernel
@@ -218,10 +220,13 @@ def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs,
     requests = _requests(page_size)
     layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, head_dim, page_size, hkv, requests,
                                                             gen)
-    q = bf16_rows(int(qo[-1]), hkv * group, head_dim, gen)
+    q_usual = bf16_rows(int(qo[-1]), hkv * group, head_dim, gen)
     fn = bind(get_kernel(prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch="sm_90a",
                                          group_size=group, knobs=knobs)))
-    for compensation in (True, False):
+    cases = [(q_usual, True), (q_usual, False)]
+    if knobs.get("tile_scale"):
+        cases.append((bf16_rows(int(qo[-1]), hkv * group, head_dim, gen, scale=1e-4), True))
+    for q, compensation in cases:
         w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=True, recipe=recipe,
                compensation=compensation)
@@ -232,11 +237,12 @@ def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs,
         torch.cuda.synchronize()
         exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
                                    compensation=compensation)
-        if knobs.get("tile_scale") and not compensation:
+        if knobs.get("tile_scale"):
             _, vd = layer.dequantize(dtype=torch.float64)
             for b, n in enumerate(lengths):
                 rows = slice(int(qo[b]), int(qo[b + 1]))
                 ids = indices[int(indptr[b]):int(indptr[b + 1])]
                 quant[b] = recipe_attention(q[rows], _tile_scaled_k(layer, recipe, ids, n, head_dim),
-                                            gather_pages(vd, ids, n), recipe=recipe, causal=True, compensation=False)
-        _check(o, lse, qo, exact, quant, f"{knobs} compensation={compensation}")
+                                            gather_pages(vd, ids, n), recipe=recipe, causal=True,
+                                            compensation=compensation, p_scale=prefill_op.p_scale(knobs))
+        _check(o, lse, qo, exact, quant, f"{knobs} compensation={compensation} q spread {q[..., 0].float().std():.1e}")

@@ -41,12 +41,9 @@ import math
 import torch
 
 from ..recipes import Recipe, get_recipe
-from ..recipes.fp8 import E4M3_MAX, quantize_e4m3
+from ..recipes.fp8 import P_SCALE, quantize_e4m3
 from ..recipes.int8 import Q_TILE, dequantize_q_per_tile, quantize_q_per_tile
 
-# P is quantized as e4m3(p * P_SCALE) / P_SCALE: p <= 1 after subtracting the row max, so the max maps
-# to the top of E4M3 (SageAttention's static offset).
-P_SCALE = E4M3_MAX
 # Score elements per chunk of the reference, to bound its memory at long contexts.
 _CHUNK_ELEMS = 1 << 26
 
@@ -187,13 +184,14 @@ def attention(q, k, v, *, causal: bool, sm_scale: float | None = None, dtype=tor
 
 
 def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale: float | None = None,
-                     compensation: bool = True, q_tile: int = Q_TILE, dtype=torch.float64):
+                     compensation: bool = True, q_tile: int = Q_TILE, p_scale: float = P_SCALE, dtype=torch.float64):
     """Attention of one request with ``recipe``'s quantization of Q and P (prefill numerics).
 
     q ``[n, H, D]`` as the model gives it (bf16); k/v ``[m, H_kv, D]`` dequantized from the cache.
     Quantized recipes: Q - mu_Q (mu_Q the mean of this request's rows per head, when
     ``compensation``) is quantized to INT8 with one scale per ``q_tile`` rows and head; the scores
-    get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * 448) / 448``. The bf16
+    get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * p_scale) / p_scale``
+    (mpfa.recipes.fp8.P_SCALE; the prefill study build tile_scale takes P_SCALE_POW2). The bf16
     recipe rounds P to bf16 before the PV product, as its kernel does. Non-finite inputs: module docstring.
     """
     recipe = get_recipe(recipe)
@@ -218,7 +216,7 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
             bias = torch.einsum("hd,khd->hk", mu.to(dtype), k)
 
         def p_quant(p):
-            return quantize_e4m3(p * P_SCALE, 1.0).to(dtype) / P_SCALE
+            return quantize_e4m3(p * p_scale, 1.0).to(dtype) / p_scale
     else:
         k, v = _expand_kv(k.to(dtype), heads), _expand_kv(v.to(dtype), heads)
         q_eff, row_bad = q.to(torch.bfloat16).to(dtype), None

@@ -15,6 +15,7 @@ constexpr int kBM = 128;
 constexpr int kQScaleRows = 128;
 constexpr int kBN = 128;
 constexpr int kMuRows = 128;
+constexpr float kLog2P = 8.807354922057604f;
 constexpr bool kFacVec = 1;
 constexpr int kStages = 3;
 constexpr bool kPingPong = 1;

@@ -1,6 +1,6 @@
 // Tile sizes, the tile images' byte layout and the main kernel's shared-memory layout, derived from the
 // specialization constants prefill.cu.jinja defines before including this header: kRecipe, kHeadDim,
-// kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows (mpfa_jit/ops/prefill.py) and the study knobs
+// kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows, kLog2P (mpfa_jit/ops/prefill.py) and the study knobs
 // kFacVec, kStages, kPingPong, kPolyEvery, kPersistent (benchmarks/prefill_variants.py).
 #pragma once
 #include <cstdint>
@@ -33,7 +33,6 @@ constexpr int kORegs = kHeadDim / 2;                // O accumulator floats per 
 // two n64 MMAs, so the part accumulator costs 32 registers, not 64, and each softmax phase overlaps one).
 constexpr int kParts = kQuant && kHeadDim == 128 ? 2 : 1;
 constexpr int kPartRegs = kORegs / kParts;
-constexpr float kLog2P = 8.807354922057604f;        // log2(448): exp2 lands P scaled for e4m3
 
 // Raw cache bytes per (token, head) of each field.
 constexpr int kKRow = Layout::k_bytes;
@@ -98,10 +97,10 @@ constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base t
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA exceeds the SM's 227 KB: use fewer stages");
 static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "MMA tiles 1024-aligned");
 
-// kTileScale builds without compensation (p.fb null): every K image carries one scale (kv_pack requantizes the
-// tile and writes s_T as every key's fa) and the softmax takes its uniform-scale path. The pre-pass and the
-// main kernel must agree on this one test.
-__device__ __forceinline__ bool uniform_k_tiles(const KernelParams& p) { return kQuant && kTileScale && p.fb == nullptr; }
+// kTileScale builds: every K image carries one scale (kv_pack requantizes the tile and writes s_T as every key's
+// fa, and the compensation terms from the requantized rows) and the softmax takes its uniform-scale path. The
+// pre-pass and the main kernel must agree on this one test.
+__device__ __forceinline__ constexpr bool uniform_k_tiles() { return kQuant && kTileScale; }
 
 // 4 floats -> 4 e4m3 bytes (the FP8 P fragment).
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {

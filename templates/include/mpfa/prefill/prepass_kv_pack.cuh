@@ -5,7 +5,8 @@
 //   V^T: D x kBN, keys contiguous and permuted for the FP8 P fragment (kv_key);
 //   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
 //   fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * sm_scale * log2 e (Kint_j the INT8 row), at fac_pos(j); zeros
-//   past the request's length.
+//   past the request's length. kTileScale builds: the tile's largest token scale s_T in place of every
+//   k_scale_j, and Kint_j requantized to it.
 // Why images: the 4-bit K -> INT8 expansion and the V transpose run once per (key, KV head) instead of
 // once per (query tile, query head) that reads the key, the main loop's loads become a few bulk copies,
 // and no conversion sits on the MMA warps' critical path. The pass costs (read compressed + write ~2 bytes
@@ -104,12 +105,12 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
   }
   if (kQuant && tid < kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
   __syncthreads();
-  // kTileScale without compensation: the staged INT8 rows requantized to the tile's largest token scale s_T,
-  // byte for byte as python/mpfa/recipes/int8.py requantize_k_tile (rni(k * (s_j / s_T))); a non-finite key
-  // (NaN scale) makes s_T, and so its whole tile, NaN.
+  // kTileScale: the staged INT8 rows requantized to the tile's largest token scale s_T, byte for byte as
+  // python/mpfa/recipes/int8.py requantize_k_tile (rni(k * (s_j / s_T))); a non-finite key (NaN scale) makes
+  // s_T, and so its whole tile, NaN.
   __shared__ float tile_scale;
-  const bool uniform = uniform_k_tiles(p);
-  if (uniform) {
+  constexpr bool uniform = uniform_k_tiles();
+  if constexpr (uniform) {
     if (tid < 32) {
       float m = 0.f;
       for (int k = tid; k < kPackKeys; k += 32) m = mpfa::max_nan(m, ks[k]);
@@ -209,7 +210,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
               dot = fmaf(mc[e], static_cast<float>(static_cast<int8_t>(w[q] >> (8 * e))), dot);
           }
         }
-        p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * ks[key] * p.score_scale;
+        p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * p.score_scale;
       }
     }
   }

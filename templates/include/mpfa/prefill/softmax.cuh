@@ -3,8 +3,9 @@
 //   softmax_max: scores scaled (quantized: fa_j * sq * s + fb_j on the INT8 MMA's integer s; bf16:
 //     score_scale * s), masked, row maxima;
 //     m_run advances, l_run takes the factor corr, which O must take too;
-//   softmax_exp: P = exp2(s - base) (FP8: base includes -log2 448, so P lands scaled for e4m3), summed into l_run
-//     (kTileScale without compensation: the scores stay raw and the tile's one scale rides the exp's FFMA);
+//   softmax_exp: P = exp2(s - base) (FP8: base includes -kLog2P, so P lands scaled for e4m3), summed into l_run
+//     (kTileScale without compensation: the scores stay integers through the maxima and the tile's one scale
+//     rides the exp's FFMA);
 // then pack_p packs P in registers as the A operand of the PV MMA.
 #pragma once
 #include <math_constants.h>
@@ -19,13 +20,13 @@ namespace {
 // Running state of the thread's two rows.
 struct SoftmaxRows {
   float m_run[2];   // running maxima (scaled scores, log2 domain)
-  float l_run[2];   // running sums of P over the thread's columns (times 448 for FP8)
+  float l_run[2];   // running sums of P over the thread's columns (times 2^kLog2P for FP8)
   float base[2];    // what the current tile's exp2 subtracts
-  // kTileScale without compensation: the current tile's scores stay raw (x = kRoundMagic + S) and exp2 takes
-  // fma(x, a, c[h]), c[h] = -(kRoundMagic * a + base[h]).
-  bool uniform;
+  // kTileScale: a = the tile's one scale times sq. Without compensation (raw) the scores stay the MMA's integers
+  // S through the row maxima T, then become x = kRoundMagic + (S - T) (exact) and exp2 takes fma(x, a, c[h]).
+  bool raw;
   float a, c[2];
-  __device__ __forceinline__ bool uniform_tile() const { return kQuant && kTileScale && uniform; }
+  __device__ __forceinline__ bool raw_tile() const { return kQuant && kTileScale && raw; }
 };
 
 // What the mask needs of the thread's rows and the item.
@@ -45,6 +46,70 @@ __device__ __forceinline__ void zero_fb(const KernelParams& p, uint8_t* smem, in
   }
 }
 
+// The row maxima and their bookkeeping, once the tile's maxima mx (scaled scores) are known: m_run advances,
+// corr rescales l_run (and O, by the caller). Returns the reference the tile's exponents subtract (m_run, or 0
+// while every score so far is masked).
+__device__ __forceinline__ float advance_max(SoftmaxRows& st, float (&corr)[2], int h, float mx) {
+  const float m_new = fmaxf(st.m_run[h], mx);
+  const float m_ref = m_new == -CUDART_INF_F ? 0.f : m_new;
+  corr[h] = mpfa::ex2(st.m_run[h] - m_ref);            // 0 while m_run was -inf (o, l are 0 then)
+  st.base[h] = kQuant ? m_ref - kLog2P : m_ref;
+  st.m_run[h] = m_new;
+  st.l_run[h] *= corr[h];
+  return m_ref;
+}
+
+// Phase 1 of a kTileScale tile without compensation: the maxima T on the integer scores (IMNMX; masked
+// scores INT_MIN), m_tile = a * T, then every score becomes x = kRoundMagic + (S - T) with one IADD (masked
+// ones, then negative, -inf) and c[h] = (m_tile - m_run + kLog2P) - kRoundMagic * a. When this tile holds the
+// row's maximum, m_tile - m_run is 0 and c = kLog2P - kRoundMagic * a exactly (a has 22 significant bits, so
+// kRoundMagic * a = 3 * 2^22 * a is a float; kLog2P = 8 is a multiple of its ulp), and the maximum's exp2
+// argument fma(kRoundMagic, a, c) is kLog2P exactly: P and l agree on the row's largest term as the
+// reference's do. (Taking the maxima on kRoundMagic + S instead leaves c = kLog2P - x_max * a rounded to the
+// ulp of kRoundMagic * a, ~a, and a row dominated by one key off by that: 3.4e-3 rel-L2 on the H200 tests.)
+__device__ __forceinline__ void softmax_max_raw(const KernelParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
+                                                float (&corr)[2], bool need_mask, int key0, const MaskRows& mr) {
+  constexpr int kMasked = INT_MIN;
+  if (need_mask) {
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * j + 2 * mr.c + (e & 1);
+        const int qi = mr.i_lo + 8 * (e >> 1);
+        if (!(key < mr.kv_len && (!p.causal || key <= qi + mr.diag))) sc[4 * j + e] = __int_as_float(kMasked);
+      }
+    }
+  }
+  int mp[2][4];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) mp[k / 4][k % 4] = kMasked;
+#pragma unroll
+  for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = max(mp[(i >> 1) & 1][(i >> 2) & 3], __float_as_int(sc[i]));
+  // A NaN scale (a non-finite key in the tile) reaches the rows that see a key of the tile through c (NaN),
+  // not through a: fma(-inf, NaN, c) would be NaN for the masked scores of rows that see none.
+  const bool a_nan = isnan(st.a);
+  if (a_nan) st.a = 1.f;
+  uint32_t off[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int mx = max(max(mp[h][0], mp[h][1]), max(mp[h][2], mp[h][3]));
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_tile = mx == kMasked ? -CUDART_INF_F : a_nan ? CUDART_NAN_F : __int2float_rn(mx) * st.a;   // exact int
+    const float m_ref = advance_max(st, corr, h, m_tile);
+    st.c[h] = __fsub_rn(__fadd_rn(m_tile - m_ref, kLog2P), __fmul_rn(mpfa::kRoundMagic, st.a));
+    off[h] = mpfa::kRoundMagicBits - uint32_t(mx);   // a row with every key masked: re-masked below
+  }
+#pragma unroll
+  for (int i = 0; i < kSRegs; ++i) sc[i] = __uint_as_float(__float_as_uint(sc[i]) + off[(i >> 1) & 1]);
+  // A masked score became kMasked + off: a negative float (unmasked ones are near +kRoundMagic).
+  if (need_mask) {
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) sc[i] = __float_as_int(sc[i]) < 0 ? -CUDART_INF_F : sc[i];
+  }
+}
+
 // Phase 1 for the tile of keys key0.. in ring stage s (its fa / fb vectors); sq: the Q tile's scale.
 __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
                                             float (&corr)[2], const uint8_t* smem, int s, int key0,
@@ -53,49 +118,55 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   const bool need_mask = key0 + kBN > mr.kv_len || (p.causal && key0 + kBN - 1 > mr.wg_first_row + mr.diag);
   const float* fa = reinterpret_cast<const float*>(smem + kOffFa + s * kFac);
   const float* fb = reinterpret_cast<const float*>(smem + kOffFb + s * kFac);
-  float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-  // One scale for the whole tile (kv_pack wrote s_T * score_scale as every key's fa): the maxima are taken on
-  // the raw x = kRoundMagic + S (monotone in S), and the scale rides the exp's FFMA (softmax_exp).
-  st.uniform = uniform_k_tiles(p);
-  if (st.uniform_tile()) {
+  if constexpr (uniform_k_tiles()) {
+    // One scale for the whole tile (kv_pack wrote s_T * score_scale as every key's fa), rounded to 22
+    // significant bits (a relative change below 2^-22) for softmax_max_raw's exact maximum. A zero Q tile
+    // takes the smallest normal instead: masked -inf must stay -inf (-inf * 0 is NaN).
     const float a = fa[0] * sq;
-    st.a = a == 0.f ? __int_as_float(0x00800000) : a;   // zero Q tile: masked -inf must stay -inf (-inf * 0 is NaN)
-#pragma unroll
-    for (int i = 0; i < kSRegs; ++i) sc[i] = __uint_as_float(__float_as_uint(sc[i]) + mpfa::kRoundMagicBits);
+    st.a = __uint_as_float(__float_as_uint(a == 0.f ? __int_as_float(0x00800000) : a) & ~3u);
+    st.raw = p.fb == nullptr;
+    if (st.raw_tile()) {
+      softmax_max_raw(p, sc, st, corr, need_mask, key0, mr);
+      return;
+    }
   }
-  if (!st.uniform_tile()) {
 #pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-      if constexpr (kQuant) {
-        float2 a2, b2;   // b2: zeros without compensation
-        if constexpr (kFacVec) {   // one 16-byte load serves groups j and j + 1
-          const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
+  for (int j = 0; j < kBN / 8; ++j) {
+    if constexpr (kQuant) {
+      float2 a2, b2;   // b2: zeros without compensation
+      if constexpr (kFacVec) {   // one 16-byte load serves groups j and j + 1
+        const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
+        const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
+        b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
+        if constexpr (!uniform_k_tiles()) {
           const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
-          const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
           a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
-          b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
-        } else {
-          a2 = *reinterpret_cast<const float2*>(fa + 8 * j + 2 * c);
-          b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
-        }
-        a2.x *= sq; a2.y *= sq;
-        // S is int32 (|S| <= 128 * 127^2 < 2^22): the float with bits kRoundMagicBits + S is kRoundMagic + S
-        // exactly (one IADD on the integer pipe; I2F would run on the XU pipe, 16 a clock per SM, beside the
-        // softmax's MUFU.EX2), and the key's offset absorbs -kRoundMagic * a (one FFMA per key, not per score).
-        // That offset's rounding errs by at most one integer unit of S (times a), far below the INT8
-        // products' own rounding; subtracting kRoundMagic exactly instead costs an FADD per score (32 more
-        // instructions per tile and thread than the FFMA per key).
-        b2.x = fmaf(-mpfa::kRoundMagic, a2.x, b2.x);
-        b2.y = fmaf(-mpfa::kRoundMagic, a2.y, b2.y);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = __uint_as_float(__float_as_uint(sc[4 * j + e]) + mpfa::kRoundMagicBits);
-          sc[4 * j + e] = fmaf(x, (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
         }
       } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;
+        b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
+        if constexpr (!uniform_k_tiles()) a2 = *reinterpret_cast<const float2*>(fa + 8 * j + 2 * c);
       }
+      if constexpr (uniform_k_tiles()) {
+        a2 = make_float2(st.a, st.a);
+      } else {
+        a2.x *= sq; a2.y *= sq;
+      }
+      // S is int32 (|S| <= 128 * 127^2 < 2^22): the float with bits kRoundMagicBits + S is kRoundMagic + S
+      // exactly (one IADD on the integer pipe; I2F would run on the XU pipe, 16 a clock per SM, beside the
+      // softmax's MUFU.EX2), and the key's offset absorbs -kRoundMagic * a (one FFMA per key, not per score).
+      // That offset's rounding errs by at most one integer unit of S (times a), far below the INT8
+      // products' own rounding; subtracting kRoundMagic exactly instead costs an FADD per score (32 more
+      // instructions per tile and thread than the FFMA per key).
+      b2.x = fmaf(-mpfa::kRoundMagic, a2.x, b2.x);
+      b2.y = fmaf(-mpfa::kRoundMagic, a2.y, b2.y);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = __uint_as_float(__float_as_uint(sc[4 * j + e]) + mpfa::kRoundMagicBits);
+        sc[4 * j + e] = fmaf(x, (e & 1) ? a2.y : a2.x, (e & 1) ? b2.y : b2.x);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;
     }
   }
   // Only the tiles on the diagonal or past the length pay for the mask (a branch, not predication:
@@ -122,32 +193,24 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
 #pragma unroll
   for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = fmaxf(mp[(i >> 1) & 1][(i >> 2) & 3], sc[i]);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) mx[h] = fmaxf(fmaxf(mp[h][0], mp[h][1]), fmaxf(mp[h][2], mp[h][3]));
-#pragma unroll
   for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    if (st.uniform_tile()) mx[h] = (mx[h] - mpfa::kRoundMagic) * st.a;   // -inf stays -inf
-    const float m_new = fmaxf(st.m_run[h], mx[h]);
-    const float m_ref = m_new == -CUDART_INF_F ? 0.f : m_new;
-    corr[h] = mpfa::ex2(st.m_run[h] - m_ref);            // 0 while m_run was -inf (o, l are 0 then)
-    st.base[h] = kQuant ? m_ref - kLog2P : m_ref;
-    if (st.uniform_tile()) st.c[h] = -fmaf(mpfa::kRoundMagic, st.a, st.base[h]);
-    st.m_run[h] = m_new;
-    st.l_run[h] *= corr[h];
+    float mx = fmaxf(fmaxf(mp[h][0], mp[h][1]), fmaxf(mp[h][2], mp[h][3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    advance_max(st, corr, h, mx);
   }
 }
 
-// Phase 2: sc becomes P (fp32, scaled by 448 for FP8); l_run sums it. Every kPolyEvery-th score's exp2 runs
-// on the FMA pipe (mpfa::ex2_poly), the rest on MUFU. kUniform: the raw scores of a kTileScale tile.
-template <bool kUniform>
+// Phase 2: sc becomes P (fp32, scaled by 2^kLog2P for FP8); l_run sums it. Every kPolyEvery-th score's exp2
+// runs on the FMA pipe (mpfa::ex2_poly), the rest on MUFU. kRaw: the x of a kTileScale tile (softmax_max_raw).
+template <bool kRaw>
 __device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxRows& st) {
   float lp[2][4];   // 4 independent sums per row, as for the maxima
 #pragma unroll
   for (int k = 0; k < 8; ++k) lp[k / 4][k % 4] = 0.f;
 #pragma unroll
   for (int i = 0; i < kSRegs; ++i) {
-    const float x = kUniform ? fmaf(sc[i], st.a, st.c[(i >> 1) & 1]) : sc[i] - st.base[(i >> 1) & 1];
+    const float x = kRaw ? fmaf(sc[i], st.a, st.c[(i >> 1) & 1]) : sc[i] - st.base[(i >> 1) & 1];
     const float pr = (kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) ? mpfa::ex2_poly(x)
                                                                                                 : mpfa::ex2(x);
     lp[(i >> 1) & 1][(i >> 2) & 3] += pr;
@@ -158,7 +221,7 @@ __device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxR
 }
 
 __device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st) {
-  if (st.uniform_tile()) softmax_exp_scores<true>(sc, st);
+  if (st.raw_tile()) softmax_exp_scores<true>(sc, st);
   else softmax_exp_scores<false>(sc, st);
 }
 
