@@ -5,7 +5,8 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
 Knobs are the template's study parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
-``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``); the default build is always the first variant and the reference for the
+``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``, ``comp_mma``); the
+default build is always the first variant and the reference for the
 output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
 that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan; compensation on for the quantized recipes unless ``--compensation off``). Rows go to ``--out`` (default
@@ -53,10 +54,12 @@ def build(recipe: str, variants: list[dict]) -> list:
 
 
 def retile(w, knobs: dict) -> None:
-    """Points the plan of wrapper ``w`` at query tiles of the variant's CTA height (``consumers=3``: 192 rows)."""
+    """Points the plan of wrapper ``w`` at query tiles of the variant's CTA height (``consumers=3``: 192 rows) and,
+    for ``comp_mma`` on a plan with compensation, at the buffers it adds (its per-head Q scale inputs and the
+    compensation digit images, outside the served workspace)."""
     import torch
     from mpfa.prefill import tile_schedule
-    from mpfa_jit.ops.prefill import tile_rows
+    from mpfa_jit.ops.prefill import image_bytes, tile_rows
     p, a = w._plan, w._plan.kernel.params
     qo = p.qo_indptr.cpu()
     tiles = tile_schedule((qo[1:] - qo[:-1]).tolist(), p.paged.kv_lengths, p.causal, tile_rows(knobs)[0])
@@ -64,6 +67,12 @@ def retile(w, knobs: dict) -> None:
     w._variant_tiles = [torch.tensor([x[i] for x in tiles], dtype=torch.int32, device=dev) for i in (0, 1)]
     a.tile_req, a.tile_q = (t.data_ptr() for t in w._variant_tiles)
     a.num_tiles = len(tiles)
+    a.q_head = a.cd_img = None
+    if knobs.get("comp_mma") and a.fb:
+        cd = a.num_kv_tiles * a.num_qo_heads * image_bytes(p.recipe.name, p.head_dim)["cd"]
+        w._variant_comp = (torch.empty(a.batch * a.num_qo_heads * 2, dtype=torch.float32, device=dev),
+                           torch.empty(cd, dtype=torch.uint8, device=dev))
+        a.q_head, a.cd_img = (t.data_ptr() for t in w._variant_comp)
 
 
 def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None,

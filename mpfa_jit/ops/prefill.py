@@ -32,7 +32,7 @@ MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out
 # takes the template's default (the served build sets none).
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1)}
+         "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1)}
 
 
 def tile_rows(knobs: dict | None = None) -> tuple[int, int]:
@@ -45,9 +45,12 @@ def tile_rows(knobs: dict | None = None) -> tuple[int, int]:
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
     """Bytes of one KV tile's images per KV head: K (KV_TILE x head_dim MMA elements), V^T (the same) and the
-    per-key factor vector fa (quantized recipes; fb, per query head, has its size)."""
+    per-key factor vector fa (quantized recipes; fb, per query head, has its size); and per query head, the
+    compensation digit image of the study knob comp_mma (cd: KV_TILE x COMP_DIGITS bytes)."""
     elt = 2 if recipe == "bf16" else 1
-    return {"k": KV_TILE * head_dim * elt, "v": KV_TILE * head_dim * elt, "fa": 0 if recipe == "bf16" else KV_TILE * 4}
+    from mpfa.recipes.int8 import COMP_DIGITS
+    return {"k": KV_TILE * head_dim * elt, "v": KV_TILE * head_dim * elt, "fa": 0 if recipe == "bf16" else KV_TILE * 4,
+            "cd": 0 if recipe == "bf16" else KV_TILE * COMP_DIGITS}
 
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -62,7 +65,7 @@ class PrefillParams(ctypes.Structure):
                 ("num_tiles", _i32), ("num_kv_tiles", _i32), ("batch", _i32), ("num_qo_heads", _i32),
                 ("num_kv_heads", _i32), ("causal", _i32), ("sm_scale", _f32), ("mu_blocks", _i32),
                 ("mu_part", _p), ("mu", _p), ("k_img", _p), ("v_img", _p), ("fa", _p), ("fb", _p),
-                ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
+                ("q_head", _p), ("cd_img", _p), ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
 
 
 def p_scale(knobs: dict | None = None) -> float:
@@ -74,11 +77,13 @@ def p_scale(knobs: dict | None = None) -> float:
 
 def render_context(recipe: str, head_dim: int, knobs: dict | None = None) -> dict:
     """What the template renders besides the key: the cache layout check, the tile sizes above and P's scale."""
+    from mpfa.recipes.int8 import COMP_DIGITS, COMP_SCALE_DIVISOR
     img = image_bytes(recipe, head_dim)
     q_tile, q_scale_rows = tile_rows(knobs)
     return dict(layout_context(recipe, head_dim), q_tile=q_tile, q_scale_rows=q_scale_rows, kv_tile=KV_TILE,
                 mu_rows=MU_ROWS, k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"],
-                log2_p_scale=repr(math.log2(p_scale(knobs))))
+                log2_p_scale=repr(math.log2(p_scale(knobs))), comp_digits=COMP_DIGITS,
+                comp_scale_divisor=repr(COMP_SCALE_DIVISOR))
 
 
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,
@@ -93,6 +98,8 @@ def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: i
             raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
     if knobs.get("consumers") == 3 and knobs.get("pingpong", 1) != 0:
         raise ValueError("prefill knob consumers=3 needs pingpong=0 (the ping-pong schedule pairs two warpgroups)")
+    if knobs.get("comp_mma") and not knobs.get("tile_scale"):
+        raise ValueError("prefill knob comp_mma=1 needs tile_scale=1 (its digits are in units of one K scale per tile)")
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size, **knobs},
                            arch, symbols=(SYMBOL, SMEM_SYMBOL, PARAMS_LAYOUT_SYMBOL),
                            context=render_context(recipe, head_dim, knobs))

@@ -233,3 +233,32 @@ def test_requantize_k_tile_is_the_tiles_largest_scale():
     s_nan = s.clone()
     s_nan[3] = float("nan")
     assert torch.isnan(requantize_k_tile(q, s_nan)[1])
+
+
+def test_compensation_digits_sum_to_the_term_within_int8():
+    """comp_mma's digits: sum(COMP_DIGIT_WEIGHTS * digits) is the term for every |c| <= COMP_DIGIT_LIMIT
+    (the ends and both signs included), every digit an INT8 value; a term past the limit has no digits."""
+    g = torch.Generator().manual_seed(5)
+    lim = I8.COMP_DIGIT_LIMIT
+    c = torch.cat([torch.randint(-lim, lim + 1, (20000,), generator=g),
+                   torch.tensor([0, 1, -1, 63, 64, -63, -64, 127, -127, 16129, -16129, lim, -lim])])
+    d = I8.compensation_digits(c)
+    w = torch.tensor(I8.COMP_DIGIT_WEIGHTS)
+    assert d.dtype == torch.int8 and d.shape == (c.numel(), I8.COMP_DIGITS)
+    assert torch.equal((d.long() * w).sum(-1), c)
+    assert d[:, 0].abs().max() <= 63
+    with pytest.raises(ValueError, match="no digits"):
+        I8.compensation_digits(torch.tensor([lim + 1]))
+
+
+def test_comp_digits_q_scale_keeps_every_term_within_the_digits():
+    """The per-head Q scale of comp_mma: amax / 127 unless the mean's L1 norm needs more (a one-row request,
+    whose smoothed rows are 0, or a mean ~10^4 times the spread); then 127 |mu|_1 / scale stays below the limit."""
+    amax = torch.tensor([254.0, 0.0, 0.01, float("nan"), 0.0])
+    l1 = torch.tensor([10.0, 40.0, 40.0, 1.0, 0.0])
+    s = I8.comp_digits_q_scale(amax, l1)
+    assert s[0] == 2.0                                             # the spread's scale
+    floor = 127 * 40.0 / I8.COMP_SCALE_DIVISOR
+    assert abs(float(s[1]) - floor) < 1e-9 and s[2] == s[1]          # the floor: the terms keep ~19 bits
+    assert bool((127 * l1[:3] / s[:3] <= I8.COMP_DIGIT_LIMIT).all())
+    assert torch.isnan(s[3]) and s[4] == 1.0

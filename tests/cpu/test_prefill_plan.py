@@ -43,7 +43,8 @@ def test_render_context_carries_the_tile_sizes_and_cache_layout():
     assert (ctx["q_tile"], ctx["kv_tile"], ctx["mu_rows"]) == (prefill_op.Q_TILE, prefill_op.KV_TILE, prefill_op.MU_ROWS)
     assert (ctx["k_image_bytes"], ctx["v_image_bytes"], ctx["fa_bytes"]) == (128 * 64, 128 * 64, 128 * 4)
     assert ctx["recipe_enum"] == "kQk4pv8" and dict(ctx["cache_fields"])["k_block_scale"] == 4
-    assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0}
+    assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0, "cd": 0}
+    assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # the comp_mma study's digit image
     assert s.key == "prefill_head_dim-64_page_size-16_recipe-qk4pv8_sm_90a"   # the context is not in the key
 
 
@@ -57,7 +58,7 @@ def test_params_mirror_is_naturally_aligned():
         assert getattr(prefill_op.PrefillParams, name).offset == off, name
         off += size
     assert ctypes.sizeof(prefill_op.PrefillParams) == -(-off // 8) * 8
-    assert len(prefill_op.PrefillParams._fields_) == 36
+    assert len(prefill_op.PrefillParams._fields_) == 38
 
 
 def test_specs_and_unsupported_shapes():
@@ -177,6 +178,7 @@ def test_library_params_layout_matches_the_mirror(jit_cache):
 @pytest.mark.nvcc
 @pytest.mark.parametrize("knobs", [dict(persistent=1, poly_every=4, fac_vec=0), dict(pingpong=0, stages=4),
                                    dict(consumers=3, pingpong=0), dict(tile_scale=1, consumers=3, pingpong=0),
+                                   dict(tile_scale=1, comp_mma=1, consumers=3, pingpong=0), dict(tile_scale=1, comp_mma=1),
                                    dict(stages=2, poly_every=16)])
 def test_study_knob_builds_compile_without_spills(knobs, jit_cache, kernel_resources):
     spec = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=knobs)
@@ -196,6 +198,8 @@ def test_prefill_variant_knobs_parse_and_render():
     for bad, msg in (("nope=1", "unknown knob"), ("poly_every=x", "integer"), ("poly_every=3", "one of")):
         with pytest.raises(ValueError, match=msg):
             parse_variant(bad)
+    with pytest.raises(ValueError, match="comp_mma=1 needs tile_scale=1"):
+        op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a", knobs={"comp_mma": 1})
     base = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a")
     assert "constexpr int kPolyEvery = 4;" in op.spec(**base, knobs={"poly_every": 4}).render()
     assert "constexpr int kPolyEvery = 0;" in op.spec(**base).render()

@@ -632,3 +632,24 @@ def test_wrappers_reference_path_follow_the_recipe_for_an_inf_value(recipe):
         finite = torch.ones_like(o, dtype=torch.bool)
         finite[rows, 2:4, 5] = False
         assert torch.isfinite(o[finite]).all()
+
+
+def test_recipe_attention_comp_digits_scale_is_per_head():
+    """comp_digits: one Q scale for all rows of a head (the comp_mma build's), so a tile of tiny rows next to
+    large ones shares the large rows' scale; with compensation and a mean that dwarfs the spread the result
+    stays close to exact attention (the mean's term is exact in the reference)."""
+    gen = _gen(302)
+    q = torch.randn(256, 2, 64, generator=gen)
+    q[128:] *= 3e-2
+    k = torch.randn(40, 2, 64, generator=gen)
+    v = torch.randn(40, 2, 64, generator=gen)
+    q = q.bfloat16()
+    exact, _ = attention(q, k, v, causal=False)
+    tiled, _ = recipe_attention(q, k, v, recipe="qk8pv8", causal=False, compensation=True)
+    head, _ = recipe_attention(q, k, v, recipe="qk8pv8", causal=False, compensation=True, comp_digits=True)
+    assert _rel(head[128:], exact[128:]) > _rel(tiled[128:], exact[128:])   # coarser on the tiny tile
+    assert _rel(head, exact) < 0.05
+    big = (torch.randn(64, 2, 64, generator=gen) * 1e-3 + 30.0).bfloat16()
+    ex, _ = attention(big, k, v, causal=False)
+    o, _ = recipe_attention(big, k, v, recipe="qk4pv8", causal=False, compensation=True, comp_digits=True)
+    assert _rel(o, ex) < 0.05

@@ -198,7 +198,8 @@ def _tile_scaled_k(layer, recipe, ids, n, head_dim):
     return out
 
 
-STUDY_BUILDS = [{"consumers": 3, "pingpong": 0}, {"tile_scale": 1}, {"tile_scale": 1, "consumers": 3, "pingpong": 0}]
+STUDY_BUILDS = [{"consumers": 3, "pingpong": 0}, {"tile_scale": 1}, {"tile_scale": 1, "consumers": 3, "pingpong": 0},
+                {"tile_scale": 1, "comp_mma": 1}, {"tile_scale": 1, "comp_mma": 1, "consumers": 3, "pingpong": 0}]
 
 
 @pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
@@ -210,7 +211,9 @@ def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs,
     three consumer warpgroups change only the schedule; tile_scale scores each K tile under one scale and
     scales P by a power of two (its own reference: K requantized per tile, mpfa.recipes.fp8.P_SCALE_POW2).
     tile_scale with compensation runs on the usual rows and on rows whose mean is ~10^4 times their spread
-    (the second Q: the compensation term carries nearly all of each score)."""
+    (the second Q: the compensation term carries nearly all of each score); comp_mma adds each key's term by
+    one more MMA k-step under one Q scale per head (its reference: recipe_attention(comp_digits=True)), the second
+    Q and the one-row requests under the scale floor that keeps every term within the digits."""
     from benchmarks.prefill_variants import retile
     from mpfa.prefill import bind
     from mpfa_jit import get_kernel
@@ -244,5 +247,6 @@ def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs,
                 ids = indices[int(indptr[b]):int(indptr[b + 1])]
                 quant[b] = recipe_attention(q[rows], _tile_scaled_k(layer, recipe, ids, n, head_dim),
                                             gather_pages(vd, ids, n), recipe=recipe, causal=True,
-                                            compensation=compensation, p_scale=prefill_op.p_scale(knobs))
+                                            compensation=compensation, p_scale=prefill_op.p_scale(knobs),
+                                            comp_digits=bool(knobs.get("comp_mma")))
         _check(o, lse, qo, exact, quant, f"{knobs} compensation={compensation} q spread {q[..., 0].float().std():.1e}")

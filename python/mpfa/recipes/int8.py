@@ -149,6 +149,45 @@ def requantize_k_tile(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     return rni(q.float() * ratio.unsqueeze(-1)).to(torch.int8), s_t
 
 
+# Compensation as one more k-step of the INT8 QK MMA (the prefill study knob ``comp_mma``): a key's term in units
+# of the QK product, C_j = rni((mu_Q . Kint_j) / sq) (sq one Q scale per request and head), is carried by
+# COMP_DIGITS INT8 digits e against the fixed Q-side weights COMP_DIGIT_WEIGHTS, C = e_0 + 127 * (e_1 + ... + e_31);
+# |C| <= COMP_DIGIT_LIMIT fits (63 + 127 * (30 * 127 + 126)). |C| <= 127 |mu_Q|_1 / sq, so the head's Q scale is
+# the larger of amax / 127 and 127 |mu_Q|_1 / COMP_SCALE_DIVISOR (comp_digits_q_scale): every term fits, and only
+# a head whose mean outweighs its spread ~31 times over (|mu_Q|_1 > 31 amax; a one-row request) gets the coarser
+# scale, where the mean's term, kept to ~19 bits, carries the logits.
+COMP_DIGITS = 32
+COMP_DIGIT_WEIGHTS = (1,) + (INT8_MAX,) * (COMP_DIGITS - 1)
+COMP_DIGIT_LIMIT = 63 + INT8_MAX * (30 * INT8_MAX + 126)
+COMP_SCALE_DIVISOR = float(torch.tensor(COMP_DIGIT_LIMIT * 0.999, dtype=torch.float32))   # 2^-10 for fp32 dot rounding
+
+
+def comp_digits_q_scale(amax: torch.Tensor, mu_l1: torch.Tensor) -> torch.Tensor:
+    """The INT8 Q scale of a head under ``comp_mma``: ``max(amax / 127, 127 * |mu_Q|_1 / COMP_SCALE_DIVISOR)`` in
+    float32 (the unit of the terms C_j as well: a head whose smoothed rows are all 0, a one-row request, takes
+    the floor, so its terms keep ~19 bits), 1 if both are 0, NaN if amax or |mu_Q|_1 is not finite."""
+    amax = amax.float()
+    s = torch.where(amax == 0, torch.zeros_like(amax), row_scale(amax, INT8_MAX))
+    floor = (INT8_MAX * mu_l1.float()) / COMP_SCALE_DIVISOR
+    sq = torch.maximum(s, floor)
+    sq = torch.where(sq == 0, torch.ones_like(sq), sq)
+    return torch.where(torch.isnan(s) | ~torch.isfinite(floor), torch.full_like(s, float("nan")), sq)
+
+
+def compensation_digits(c: torch.Tensor) -> torch.Tensor:
+    """Integer terms ``c`` (|c| <= COMP_DIGIT_LIMIT) -> int8 digits ``[..., COMP_DIGITS]`` with
+    ``sum(COMP_DIGIT_WEIGHTS * digits) == c``: e_0 = c - 127 hi for hi = floor((c + 63) / 127) (|e_0| <= 63), then
+    |hi| as whole 127s in e_1, e_2, ... and the remainder in the next digit, all with hi's sign."""
+    c = c.to(torch.int64)
+    if bool((c.abs() > COMP_DIGIT_LIMIT).any()):
+        raise ValueError(f"compensation terms beyond +-{COMP_DIGIT_LIMIT} have no digits")
+    hi = torch.div(c + 63, INT8_MAX, rounding_mode="floor")
+    m, sign = hi.abs(), torch.sign(hi)
+    k = torch.arange(1, COMP_DIGITS, device=c.device)
+    rest = (m.unsqueeze(-1) - INT8_MAX * (k - 1)).clamp(0, INT8_MAX)
+    return torch.cat([(c - INT8_MAX * hi).unsqueeze(-1), sign.unsqueeze(-1) * rest], dim=-1).to(torch.int8)
+
+
 # ---------------------------------------------------------------------------------------------
 # i4rs
 

@@ -42,7 +42,7 @@ import torch
 
 from ..recipes import Recipe, get_recipe
 from ..recipes.fp8 import P_SCALE, quantize_e4m3
-from ..recipes.int8 import Q_TILE, dequantize_q_per_tile, quantize_q_per_tile
+from ..recipes.int8 import Q_TILE, comp_digits_q_scale, dequantize_q_per_tile, quantize_int, quantize_q_per_tile
 
 # Score elements per chunk of the reference, to bound its memory at long contexts.
 _CHUNK_ELEMS = 1 << 26
@@ -184,14 +184,16 @@ def attention(q, k, v, *, causal: bool, sm_scale: float | None = None, dtype=tor
 
 
 def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale: float | None = None,
-                     compensation: bool = True, q_tile: int = Q_TILE, p_scale: float = P_SCALE, dtype=torch.float64):
+                     compensation: bool = True, q_tile: int = Q_TILE, p_scale: float = P_SCALE,
+                     comp_digits: bool = False, dtype=torch.float64):
     """Attention of one request with ``recipe``'s quantization of Q and P (prefill numerics).
 
     q ``[n, H, D]`` as the model gives it (bf16); k/v ``[m, H_kv, D]`` dequantized from the cache.
     Quantized recipes: Q - mu_Q (mu_Q the mean of this request's rows per head, when
     ``compensation``) is quantized to INT8 with one scale per ``q_tile`` rows and head; the scores
     get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * p_scale) / p_scale``
-    (mpfa.recipes.fp8.P_SCALE; the prefill study build tile_scale takes P_SCALE_POW2). The bf16
+    (mpfa.recipes.fp8.P_SCALE; the prefill study build tile_scale takes P_SCALE_POW2). ``comp_digits`` (the
+    study build comp_mma, with compensation): one Q scale per head, mpfa.recipes.int8.comp_digits_q_scale. The bf16
     recipe rounds P to bf16 before the PV product, as its kernel does. Non-finite inputs: module docstring.
     """
     recipe = get_recipe(recipe)
@@ -210,6 +212,11 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
         mu = qf.mean(dim=0) if (compensation and q.shape[0] > 0) else qf.new_zeros(qf.shape[1:])
         q_eff = torch.empty_like(qf, dtype=dtype)
         for h in range(heads):
+            if comp_digits and compensation:
+                x = qf[:, h] - mu[h]
+                scale = comp_digits_q_scale(x.abs().amax() if x.numel() else x.new_zeros(()), mu[h].abs().sum())
+                q_eff[:, h] = quantize_int(x, scale).to(dtype) * scale.to(dtype)
+                continue
             q8, scale = quantize_q_per_tile(qf[:, h] - mu[h], q_tile)
             q_eff[:, h] = dequantize_q_per_tile(q8.to(dtype), scale.to(dtype), q_tile)
         if compensation:

@@ -1,5 +1,5 @@
 // Hopper warpgroup MMA (wgmma) building blocks for the prefill kernel: shared-memory matrix
-// descriptors for K-major tiles with 128-byte / 64-byte swizzle, the fences, and fixed-shape
+// descriptors for K-major tiles with 128-, 64- or 32-byte swizzle, the fences, and fixed-shape
 // wrappers (m64nNk32 e4m3 x e4m3 -> f32 = QGMMA; m64n128k32 s8 x s8 -> s32 = IGMMA; m64nNk16 bf16 x
 // bf16 -> f32 = HGMMA), with A from shared memory (ss) or from registers (rs). B always comes from
 // shared memory, K-major.
@@ -7,8 +7,8 @@
 // Tile layout (both operands, K-major): row r (an M or N index) holds the reduction dimension
 // contiguously. A tile whose rows are R bytes long is stored as R / W column blocks of
 // [rows x W bytes] (W = min(R, 128)), each block swizzled like CUTLASS's Swizzle<3,4,3> (W = 128:
-// 16-byte chunk index ^= row % 8) or Swizzle<2,4,3> (W = 64: chunk ^= (row / 2) % 4), i.e. byte
-// offset o -> o ^ (((o >> 7) & mask) << 4), on 1024-byte-aligned bases. The descriptor's stride
+// 16-byte chunk index ^= row % 8), Swizzle<2,4,3> (W = 64: chunk ^= (row / 2) % 4) or Swizzle<1,4,3>
+// (W = 32: chunk ^= (row / 4) % 2), i.e. byte offset o -> o ^ (((o >> 7) & mask) << 4), on 1024-byte-aligned bases. The descriptor's stride
 // byte offset is one 8-row group (8 * W bytes); the leading byte offset is unused for swizzled
 // K-major tiles (encoded 1, as CUTLASS does). A k-step of 32 bytes advances the start address by
 // 32 bytes inside the swizzle row (the hardware applies the XOR to the final address bits).
@@ -20,8 +20,8 @@ namespace wg {
 
 template <int W>
 __device__ __forceinline__ int swizzle(int o) {
-  static_assert(W == 128 || W == 64, "swizzle width 64 or 128 bytes");
-  return W == 128 ? (o ^ (((o >> 7) & 7) << 4)) : (o ^ (((o >> 7) & 3) << 4));
+  static_assert(W == 128 || W == 64 || W == 32, "swizzle width 32, 64 or 128 bytes");
+  return o ^ (((o >> 7) & (W / 16 - 1)) << 4);   // Swizzle<3,4,3>, <2,4,3>, <1,4,3>
 }
 
 // Byte offset of (row, byte column) in a K-major tile of `rows` rows, swizzle width W.
@@ -31,11 +31,12 @@ __device__ __forceinline__ int tile_offset(int row, int col, int rows) {
 }
 
 // Matrix descriptor: start address >> 4 (bits 0-13), LBO (16-29), SBO (32-45), swizzle mode (62-63:
-// 1 = 128B, 2 = 64B); base offset (49-51) 0: every tile base is aligned to the swizzle repeat.
+// 1 = 128B, 2 = 64B, 3 = 32B); base offset (49-51) 0: every tile base is aligned to the swizzle repeat.
 template <int W>
 __device__ __forceinline__ uint64_t make_desc(uint32_t smem_addr) {
+  static_assert(W == 128 || W == 64 || W == 32, "swizzle width 32, 64 or 128 bytes");
   return uint64_t((smem_addr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t((8 * W) >> 4) << 32) |
-         (uint64_t(W == 128 ? 1 : 2) << 62);
+         (uint64_t(W == 128 ? 1 : W == 64 ? 2 : 3) << 62);
 }
 
 // The descriptor of a tile `byte_offset` bytes past the one `desc` describes: the start-address field

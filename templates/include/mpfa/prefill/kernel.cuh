@@ -53,8 +53,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
 
     const float sq = load_q(p, it, smem, red, ct, cw, lane);
     zero_fb(p, smem, ct);
+    if (k == 0) write_digit_weights(smem, ct);
     mpfa::wg::fence_proxy_async();
-    mpfa::pipe::named_sync(1, kConsumers);   // Q (and the zero fb) visible to every warpgroup
+    mpfa::pipe::named_sync(1, kConsumers);   // Q (and the zero fb, the digit weights) visible to every warpgroup
 
     const int r_lo = wg * 64 + wq * 16 + g;            // tile rows r_lo and r_lo + 8
     MaskRows mr;
@@ -69,6 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
     SoftmaxRows st;
     st.m_run[0] = st.m_run[1] = -CUDART_INF_F;
     st.l_run[0] = st.l_run[1] = 0.f;
+    st.digits = comp_digits(p);
     // Q's descriptor from a warp-uniform address (the warpgroup index through a shuffle), rebuilt per tile in
     // uniform registers: kept across the loop it lives in vector registers and costs 2 R2UR + 1 UMOV per MMA.
     const uint32_t q_addr = __shfl_sync(0xffffffffu, base_addr + kOffQ + wg * 64 * kW, 0);

@@ -1,9 +1,10 @@
 // Tile sizes, the tile images' byte layout and the main kernel's shared-memory layout, derived from the
 // specialization constants prefill.cu.jinja defines before including this header: kRecipe, kHeadDim,
 // kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows, kLog2P (mpfa_jit/ops/prefill.py) and the study knobs
-// kFacVec, kStages, kPingPong, kPolyEvery, kPersistent (benchmarks/prefill_variants.py).
+// kFacVec, kStages, kPingPong, kPolyEvery, kPersistent, kTileScale, kCompMma (benchmarks/prefill_variants.py).
 #pragma once
 #include <cstdint>
+#include <math_constants.h>
 #include "mpfa/cache_layout.cuh"
 #include "mpfa/quant.cuh"
 #include "mpfa/prefill/params.cuh"
@@ -44,6 +45,13 @@ constexpr int kVRow = Layout::v_bytes;
 constexpr int kImgK = kBN * kQKRow;
 constexpr int kImgV = kHeadDim * kVtRow;
 constexpr int kFac = kQuant ? kBN * 4 : 0;          // one per-key factor vector (quantized recipes only)
+// Study knob kCompMma (with kTileScale): compensation as one more k-step of the QK MMA, INT8 digits of each key's
+// term against fixed Q-side weights (python/mpfa/recipes/int8.py compensation_digits): per (KV tile, query head) a
+// digit image of kBN rows x kCdRow bytes (32-byte swizzle), and 64 identical rows of weights in shared memory.
+constexpr int kCdRow = 32;
+constexpr int kImgCd = kQuant && kCompMma ? kBN * kCdRow : 0;
+constexpr int kQxBytes = kQuant && kCompMma ? 64 * kCdRow : 0;   // one warpgroup's rows, shared by all
+static_assert(!kCompMma || kTileScale, "comp_mma builds on tile_scale (one K scale per tile)");
 static_assert(kImgK % 1024 == 0 && kImgV % 1024 == 0, "images keep 1024-byte alignment");
 
 // Order of the per-key factors fa / fb in a tile's vector. kFacVec: the 4 keys a consumer thread holds in
@@ -90,17 +98,35 @@ constexpr int kOffK = kOffQ + kBM * kQKRow;
 constexpr int kOffV = kOffK + kStages * kImgK;
 constexpr int kOffFa = kOffV + kStages * kImgV;
 constexpr int kOffFb = kOffFa + kStages * kFac;
-constexpr int kOffRed = kOffFb + kStages * kFac;    // the Q amax: one float per consumer warp (<= 16)
+constexpr int kOffCd = kOffFb + kStages * kFac;     // kCompMma: the stages' digit images
+constexpr int kOffQx = kOffCd + kStages * kImgCd;   // kCompMma: the digits' Q-side weights
+constexpr int kOffRed = kOffQx + kQxBytes;          // the Q amax: one float per consumer warp (<= 16)
 constexpr int kOffBar = kOffRed + 64;               // full_k[S], full_v[S], empty[S]
 constexpr int kSmemUsed = kOffBar + 3 * kStages * 8;
 constexpr int kSmemBytes = kSmemUsed + 1024;        // slack to align the base to 1024 bytes
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per CTA exceeds the SM's 227 KB: use fewer stages");
-static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0, "MMA tiles 1024-aligned");
+static_assert(kOffK % 1024 == 0 && kOffV % 1024 == 0 && kOffCd % 1024 == 0 && kOffQx % 1024 == 0,
+              "MMA tiles 1024-aligned");
 
 // kTileScale builds: every K image carries one scale (kv_pack requantizes the tile and writes s_T as every key's
 // fa, and the compensation terms from the requantized rows) and the softmax takes its uniform-scale path. The
 // pre-pass and the main kernel must agree on this one test.
 __device__ __forceinline__ constexpr bool uniform_k_tiles() { return kQuant && kTileScale; }
+
+// kCompMma launches with compensation (p.q_head set): the digits k-step runs for every item, under one INT8 Q
+// scale per (request, head), python/mpfa/recipes/int8.py comp_digits_q_scale: max(amax / 127, 127 |mu_Q|_1 /
+// kCompScaleDivisor) (1 if both are 0), so that every key's term C_j = (mu_Q . Kint_j) / sq, at most
+// 127 |mu_Q|_1 / sq, has digits.
+// q_head: the head's [amax of Q - mu_Q, |mu_Q|_1] (prepass_q_mean.cuh).
+__device__ __forceinline__ bool comp_digits(const KernelParams& p) { return kCompMma && p.q_head != nullptr; }
+__device__ __forceinline__ float head_q_scale(const KernelParams& p, int b, int hq) {
+  const float* qh = p.q_head + (int64_t(b) * p.num_qo_heads + hq) * 2;
+  // amax 0 (a one-row request): the floor is the terms' unit, not 1
+  const float s = qh[0] == 0.f ? 0.f : mpfa::amax_scale_or_nan(qh[0], mpfa::kInt8Max);
+  const float floor = __fdiv_rn(127.f * qh[1], kCompScaleDivisor);
+  const float sq = fmaxf(s, floor);
+  return isnan(s) || !isfinite(floor) ? CUDART_NAN_F : sq == 0.f ? 1.f : sq;
+}
 
 // 4 floats -> 4 e4m3 bytes (the FP8 P fragment).
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {

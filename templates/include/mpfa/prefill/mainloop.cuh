@@ -38,7 +38,9 @@ __device__ __forceinline__ void mma_pv_bf16(float (&d)[NR], const uint32_t (&a)[
 }
 
 // S = Q K^T of the CTA's g-th tile once its K image has landed. q_addr: the warpgroup's Q rows, warp-uniform.
-__device__ __forceinline__ void issue_qk(const Ring& ring, int g, uint32_t q_addr, float (&sc)[kSRegs]) {
+// digits (kCompMma): one more k-step adds each key's compensation term, its digit image against the weights
+// (64 identical rows, which every warpgroup reads).
+__device__ __forceinline__ void issue_qk(const Ring& ring, int g, uint32_t q_addr, bool digits, float (&sc)[kSRegs]) {
   const int s = g % kStages;
   mpfa::pipe::mbar_wait(ring.full_k + 8 * s, (g / kStages) & 1);
   const uint64_t q_desc = mpfa::wg::make_desc<kW>(q_addr);
@@ -50,6 +52,11 @@ __device__ __forceinline__ void issue_qk(const Ring& ring, int g, uint32_t q_add
     const uint64_t da = mpfa::wg::desc_advance(q_desc, (kb / kW) * kBM * kW + (kb % kW));
     const uint64_t db = mpfa::wg::desc_advance(k_desc, (kb / kW) * kBN * kW + (kb % kW));
     mma_qk(sc, da, db, ks > 0);
+  }
+  if constexpr (kCompMma) {
+    if (digits)
+      mma_qk(sc, mpfa::wg::make_desc<kCdRow>(ring.base + kOffQx), mpfa::wg::make_desc<kCdRow>(ring.base + kOffCd + s * kImgCd),
+             1);
   }
   mpfa::wg::commit();
 }
@@ -124,7 +131,7 @@ __device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring
 
   if (n_tiles > 0) {
     take_turn(wg);
-    issue_qk(ring, g0, q_addr, sc);
+    issue_qk(ring, g0, q_addr, st.digits, sc);
     pass_turn(wg, 0, n_tiles);
     mpfa::wg::wait<0>();
     mpfa::wg::fence_operand(sc);
@@ -134,7 +141,7 @@ __device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring
   }
   for (int t = 1; t < n_tiles; ++t) {
     take_turn(wg);
-    issue_qk(ring, g0 + t, q_addr, sc);
+    issue_qk(ring, g0 + t, q_addr, st.digits, sc);
     issue_pv(ring, g0 + t - 1, 0, pa, o_part, o_acc, corr_prev);
     pass_turn(wg, t, n_tiles);
     mpfa::wg::wait<1>();     // S(t) ready; P(t-1) V(t-1) may still run
@@ -176,7 +183,7 @@ __device__ __forceinline__ void mainloop_serial(const KernelParams& p, const Rin
   float o_part[kQuant ? kPartRegs : 1];
   for (int t = 0; t < n_tiles; ++t) {
     float sc[kSRegs];
-    issue_qk(ring, g0 + t, q_addr, sc);
+    issue_qk(ring, g0 + t, q_addr, st.digits, sc);
     mpfa::wg::wait<0>();
     mpfa::wg::fence_operand(sc);
     float corr[2];

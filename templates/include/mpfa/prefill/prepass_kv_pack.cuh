@@ -6,7 +6,9 @@
 //   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
 //   fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * sm_scale * log2 e (Kint_j the INT8 row), at fac_pos(j); zeros
 //   past the request's length. kTileScale builds: the tile's largest token scale s_T in place of every
-//   k_scale_j, and Kint_j requantized to it.
+//   k_scale_j, and Kint_j requantized to it; kCompMma launches with compensation: also the digits of
+//   (mu_Q[hq] . Kint_j) / sq (sq the request's Q scale of head hq, kernel_traits.cuh head_q_scale) per (tile, query
+//   head).
 // Why images: the 4-bit K -> INT8 expansion and the V transpose run once per (key, KV head) instead of
 // once per (query tile, query head) that reads the key, the main loop's loads become a few bulk copies,
 // and no conversion sits on the MMA warps' critical path. The pass costs (read compressed + write ~2 bytes
@@ -58,6 +60,30 @@ __device__ __forceinline__ uint4 k4_block_to_s8(uint2 packed, uint32_t b) {
     w[k / 4] |= (static_cast<uint32_t>(q * static_cast<int>(b)) & 0xFFu) << (8 * (k % 4));
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// kCompMma: key `key`'s row of a digit image (32-byte swizzle): the term c (|c| <= kCompDigitLimit, in units
+// of the INT8 QK product) as python/mpfa/recipes/int8.py compensation_digits writes it: e_0 = c - 127 hi for
+// hi = floor((c + 63) / 127), then |hi| as whole 127s and a remainder, with hi's sign.
+__device__ __forceinline__ void write_digits(uint8_t* img, int key, int c) {
+  const int hi = (c + 63 >= 0 ? c + 63 : c + 63 - 126) / 127;   // floor division
+  const int m = abs(hi), sign = hi < 0 ? -1 : 1;
+  uint32_t w[kCdRow / 4];
+#pragma unroll
+  for (int q = 0; q < kCdRow / 4; ++q) {
+    uint32_t word = 0u;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = 4 * q + e;
+      const int v = k == 0 ? c - 127 * hi : sign * min(max(m - 127 * (k - 1), 0), 127);
+      word |= (static_cast<uint32_t>(v) & 0xFFu) << (8 * e);
+    }
+    w[q] = word;
+  }
+#pragma unroll
+  for (int c16 = 0; c16 < kCdRow / 16; ++c16)
+    *reinterpret_cast<uint4*>(img + mpfa::wg::swizzle<kCdRow>(key * kCdRow + 16 * c16)) =
+        make_uint4(w[4 * c16], w[4 * c16 + 1], w[4 * c16 + 2], w[4 * c16 + 3]);
 }
 
 __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParams p) {
@@ -211,6 +237,10 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
           }
         }
         p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * p.score_scale;
+        if (comp_digits(p)) {   // a NaN scale (non-finite Q) leaves the digits unspecified: its rows are NaN anyway
+          const float c = __fdiv_rn(dot, head_q_scale(p, b, hq));
+          write_digits(p.cd_img + (int64_t(i) * p.num_qo_heads + hq) * kImgCd, key, isnan(c) ? 0 : __float2int_rn(c));
+        }
       }
     }
   }

@@ -1,5 +1,5 @@
-// The producer warpgroup's loads: one thread streams each KV tile's images (K with its fa / fb vectors,
-// then V^T) from the workspace into a kStages-deep ring of shared-memory stages with bulk copies
+// The producer warpgroup's loads: one thread streams each KV tile's images (K with its fa / fb vectors or
+// the compensation digits, then V^T) from the workspace into a kStages-deep ring of shared-memory stages with bulk copies
 // (cp.async.bulk). A stage's full barriers carry the transaction bytes; its empty barrier counts the
 // consumer threads' releases.
 #pragma once
@@ -50,18 +50,22 @@ __device__ __forceinline__ void produce(const KernelParams& p, const Item& only,
     const Item it = kPersistent ? item_at(p, item) : only;
     const int b = it.b, hq = it.hq, hk = it.hk, n_tiles = it.n_tiles;
     const int kvt0 = p.kv_tile_base[b];
+    const bool digits = comp_digits(p);   // the compensation digits instead of fb
     for (int t = 0; t < n_tiles; ++t, ++g) {
       const int s = g % kStages;
       if (g >= kStages) mpfa::pipe::mbar_wait(ring.empty + 8 * s, ((g / kStages) - 1) & 1);
       const int64_t img = int64_t(kvt0 + t) * p.num_kv_heads + hk;
       const uint32_t fk = ring.full_k + 8 * s, fv = ring.full_v + 8 * s;
       uint32_t kbytes = kImgK;
-      if constexpr (kQuant) kbytes += p.fb != nullptr ? 2 * kFac : kFac;
+      if constexpr (kQuant) kbytes += digits ? kFac + kImgCd : p.fb != nullptr ? 2 * kFac : kFac;
       mpfa::pipe::mbar_expect_tx(fk, kbytes);
       mpfa::pipe::bulk_g2s(ring.base + kOffK + s * kImgK, p.k_img + img * kImgK, kImgK, fk);
       if constexpr (kQuant) {
         mpfa::pipe::bulk_g2s(ring.base + kOffFa + s * kFac, p.fa + img * kBN, kFac, fk);
-        if (p.fb != nullptr)
+        if (digits)
+          mpfa::pipe::bulk_g2s(ring.base + kOffCd + s * kImgCd, p.cd_img + (int64_t(kvt0 + t) * nh + hq) * kImgCd,
+                               kImgCd, fk);
+        else if (p.fb != nullptr)
           mpfa::pipe::bulk_g2s(ring.base + kOffFb + s * kFac, p.fb + (int64_t(kvt0 + t) * nh + hq) * kBN, kFac, fk);
       }
       mpfa::pipe::mbar_expect_tx(fv, kImgV);

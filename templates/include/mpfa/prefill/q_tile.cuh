@@ -68,7 +68,9 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
     amax = red[grp * kGroupWarps];
 #pragma unroll
     for (int w = 1; w < kGroupWarps; ++w) amax = mpfa::max_nan(amax, red[grp * kGroupWarps + w]);
-    sq = mpfa::amax_scale_or_nan(amax, mpfa::kInt8Max);
+    // comp_mma: one scale for all of the request's rows of the head (kernel_traits.cuh head_q_scale), so that the
+    // compensation digits, in units of sq, do not depend on the Q tile.
+    sq = comp_digits(p) ? head_q_scale(p, b, hq) : mpfa::amax_scale_or_nan(amax, mpfa::kInt8Max);
     const float inv = __frcp_rn(sq);
 #pragma unroll
     for (int i = 0; i < kQUnits; ++i) {
@@ -86,7 +88,7 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
     // the softmax gets 0 rather than 1, so its folded integer-to-float offset (softmax.cuh) is exactly 0 and
     // the scores are the compensation term alone, where scale 1 would leave an error of one unit of S times
     // the key's scale (~0.01 in LSE on the H200 tests). A NaN amax keeps its NaN scale.
-    if (amax == 0.f) sq = 0.f;
+    if (amax == 0.f && !comp_digits(p)) sq = 0.f;   // comp_mma: the digits' terms carry the scores under sq
   } else {   // a chunk per iteration: bf16 has no amax pass for batched loads to shorten
     for (int u = ct; u < kBM * kQChunks; u += kConsumers) {
       const int r = u / kQChunks, ch = u % kQChunks;
@@ -96,6 +98,19 @@ __device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, u
     }
   }
   return sq;
+}
+
+// kCompMma: the digits' Q-side operand, 64 identical rows (1, 127 x 31) in the 32-byte swizzle (python/mpfa/
+// recipes/int8.py COMP_DIGIT_WEIGHTS) that every warpgroup's MMA reads; written once per CTA.
+__device__ __forceinline__ void write_digit_weights(uint8_t* smem, int ct) {
+  if constexpr (kCompMma) {
+    for (int u = ct; u < 64 * (kCdRow / 16); u += kConsumers) {
+      const int row = u / (kCdRow / 16), c16 = u % (kCdRow / 16);
+      const uint32_t w0 = c16 == 0 ? 0x7F7F7F01u : 0x7F7F7F7Fu;   // byte 0 of the row is the weight 1
+      *reinterpret_cast<uint4*>(smem + kOffQx + mpfa::wg::swizzle<kCdRow>(row * kCdRow + 16 * c16)) =
+          make_uint4(w0, 0x7F7F7F7Fu, 0x7F7F7F7Fu, 0x7F7F7F7Fu);
+    }
+  }
 }
 
 }  // namespace

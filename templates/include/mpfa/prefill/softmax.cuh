@@ -24,7 +24,9 @@ struct SoftmaxRows {
   float base[2];    // what the current tile's exp2 subtracts
   // kTileScale: a = the tile's one scale times sq. Without compensation (raw) the scores stay the MMA's integers
   // S through the row maxima T, then become x = kRoundMagic + (S - T) (exact) and exp2 takes fma(x, a, c[h]).
-  bool raw;
+  // kCompMma launches with compensation (digits, kernel_traits.cuh comp_digits): the MMA added each key's term to
+  // S (mainloop.cuh issue_qk), and the tile is raw too.
+  bool raw, digits;
   float a, c[2];
   __device__ __forceinline__ bool raw_tile() const { return kQuant && kTileScale && raw; }
 };
@@ -124,7 +126,7 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
     // takes the smallest normal instead: masked -inf must stay -inf (-inf * 0 is NaN).
     const float a = fa[0] * sq;
     st.a = __uint_as_float(__float_as_uint(a == 0.f ? __int_as_float(0x00800000) : a) & ~3u);
-    st.raw = p.fb == nullptr;
+    st.raw = p.fb == nullptr || (kCompMma && st.digits);
     if (st.raw_tile()) {
       softmax_max_raw(p, sc, st, corr, need_mask, key0, mr);
       return;
