@@ -303,15 +303,18 @@ def test_recipe_attention_empty_chunk():
             assert o.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+def _large_then_tiny_rows(seed: int, tiny: float):
+    """q [256, 2, 64] bf16 whose last 128 rows are ``tiny`` times the first's, and k, v [40, 2, 64]."""
+    gen = _gen(seed)
+    q = torch.randn(256, 2, 64, generator=gen)
+    q[128:] *= tiny
+    return q.bfloat16(), torch.randn(40, 2, 64, generator=gen), torch.randn(40, 2, 64, generator=gen)
+
+
 def test_recipe_attention_quantizes_q_per_tile():
     """One INT8 scale per q_tile rows: a tile of tiny queries next to a tile of large ones keeps its
     own scale; one scale for both would push the tiny tile into E4M3's subnormals."""
-    gen = _gen(301)
-    q = torch.randn(256, 2, 64, generator=gen)
-    q[128:] *= 3e-5
-    k = torch.randn(40, 2, 64, generator=gen)
-    v = torch.randn(40, 2, 64, generator=gen)
-    q = q.bfloat16()
+    q, k, v = _large_then_tiny_rows(301, 3e-5)
     sm = 1 / 8 / 3e-5                       # makes the tiny tile's scores O(1)
     exact, _ = attention(q, k, v, causal=False, sm_scale=sm)
     tiled, _ = recipe_attention(q, k, v, recipe="qk8pv8", causal=False, compensation=False, q_tile=128, sm_scale=sm)
@@ -638,12 +641,8 @@ def test_recipe_attention_comp_digits_scale_is_per_head():
     """comp_digits: one Q scale for all rows of a head (the comp_mma build's), so a tile of tiny rows next to
     large ones shares the large rows' scale; with compensation and a mean that dwarfs the spread the result
     stays close to exact attention (the mean's term is exact in the reference)."""
-    gen = _gen(302)
-    q = torch.randn(256, 2, 64, generator=gen)
-    q[128:] *= 3e-2
-    k = torch.randn(40, 2, 64, generator=gen)
-    v = torch.randn(40, 2, 64, generator=gen)
-    q = q.bfloat16()
+    q, k, v = _large_then_tiny_rows(302, 3e-2)
+    gen = _gen(303)
     exact, _ = attention(q, k, v, causal=False)
     tiled, _ = recipe_attention(q, k, v, recipe="qk8pv8", causal=False, compensation=True)
     head, _ = recipe_attention(q, k, v, recipe="qk8pv8", causal=False, compensation=True, comp_digits=True)
