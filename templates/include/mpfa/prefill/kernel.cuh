@@ -70,7 +70,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
     SoftmaxRows st;
     st.m_run[0] = st.m_run[1] = -CUDART_INF_F;
     st.l_run[0] = st.l_run[1] = 0.f;
-    st.digits = comp_digits(p);
     // Q's descriptor from a warp-uniform address (the warpgroup index through a shuffle), rebuilt per tile in
     // uniform registers: kept across the loop it lives in vector registers and costs 2 R2UR + 1 UMOV per MMA.
     const uint32_t q_addr = __shfl_sync(0xffffffffu, base_addr + kOffQ + wg * 64 * kW, 0);

@@ -131,7 +131,7 @@ __device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring
 
   if (n_tiles > 0) {
     take_turn(wg);
-    issue_qk(ring, g0, q_addr, st.digits, sc);
+    issue_qk(ring, g0, q_addr, comp_digits(p), sc);
     pass_turn(wg, 0, n_tiles);
     mpfa::wg::wait<0>();
     mpfa::wg::fence_operand(sc);
@@ -141,7 +141,7 @@ __device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring
   }
   for (int t = 1; t < n_tiles; ++t) {
     take_turn(wg);
-    issue_qk(ring, g0 + t, q_addr, st.digits, sc);
+    issue_qk(ring, g0 + t, q_addr, comp_digits(p), sc);
     issue_pv(ring, g0 + t - 1, 0, pa, o_part, o_acc, corr_prev);
     pass_turn(wg, t, n_tiles);
     mpfa::wg::wait<1>();     // S(t) ready; P(t-1) V(t-1) may still run
@@ -183,7 +183,7 @@ __device__ __forceinline__ void mainloop_serial(const KernelParams& p, const Rin
   float o_part[kQuant ? kPartRegs : 1];
   for (int t = 0; t < n_tiles; ++t) {
     float sc[kSRegs];
-    issue_qk(ring, g0 + t, q_addr, st.digits, sc);
+    issue_qk(ring, g0 + t, q_addr, comp_digits(p), sc);
     mpfa::wg::wait<0>();
     mpfa::wg::fence_operand(sc);
     float corr[2];

@@ -236,10 +236,12 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
               dot = fmaf(mc[e], static_cast<float>(static_cast<int8_t>(w[q] >> (8 * e))), dot);
           }
         }
-        p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * p.score_scale;
-        if (comp_digits(p)) {   // a NaN scale (non-finite Q) leaves the digits unspecified: its rows are NaN anyway
+        if (comp_digits(p)) {   // the digits instead of fb (the main kernel reads one or the other); a NaN scale
+          // (non-finite Q) leaves the digits unspecified: its rows are NaN anyway
           const float c = __fdiv_rn(dot, head_q_scale(p, b, hq));
           write_digits(p.cd_img + (int64_t(i) * p.num_qo_heads + hq) * kImgCd, key, isnan(c) ? 0 : __float2int_rn(c));
+        } else {
+          p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * p.score_scale;
         }
       }
     }

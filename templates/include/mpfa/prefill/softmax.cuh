@@ -9,6 +9,7 @@
 // then pack_p packs P in registers as the A operand of the PV MMA.
 #pragma once
 #include <math_constants.h>
+#include <type_traits>
 #include "mpfa/common.cuh"
 #include "mpfa/mma_frag.cuh"
 #include "mpfa/quant.cuh"
@@ -24,9 +25,9 @@ struct SoftmaxRows {
   float base[2];    // what the current tile's exp2 subtracts
   // kTileScale: a = the tile's one scale times sq. Without compensation (raw) the scores stay the MMA's integers
   // S through the row maxima T, then become x = kRoundMagic + (S - T) (exact) and exp2 takes fma(x, a, c[h]).
-  // kCompMma launches with compensation (digits, kernel_traits.cuh comp_digits): the MMA added each key's term to
-  // S (mainloop.cuh issue_qk), and the tile is raw too.
-  bool raw, digits;
+  // kCompMma launches with compensation (kernel_traits.cuh comp_digits): the MMA added each key's term to S
+  // (mainloop.cuh issue_qk), and the tile is raw too.
+  bool raw;
   float a, c[2];
   __device__ __forceinline__ bool raw_tile() const { return kQuant && kTileScale && raw; }
 };
@@ -45,6 +46,43 @@ __device__ __forceinline__ void zero_fb(const KernelParams& p, uint8_t* smem, in
   if (kQuant && p.fb == nullptr) {
     float* fb_all = reinterpret_cast<float*>(smem + kOffFb);
     for (int i = ct; i < kStages * kBN; i += kConsumers) fb_all[i] = 0.f;
+  }
+}
+
+// Masks the thread's scores of keys past the request's length or, causal, past each row's diagonal with `value`.
+__device__ __forceinline__ void mask_scores(const KernelParams& p, const MaskRows& mr, int key0, float (&sc)[kSRegs],
+                                            float value) {
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = key0 + 8 * j + 2 * mr.c + (e & 1);
+      const int qi = mr.i_lo + 8 * (e >> 1);
+      if (!(key < mr.kv_len && (!p.causal || key <= qi + mr.diag))) sc[4 * j + e] = value;
+    }
+  }
+}
+
+// The maxima of the thread's two rows over the quad's columns (the scores as float, or as the int32 bit patterns
+// of the MMA's integer S), as 4 independent chains per row, then a tree: one running chain would be 32 dependent
+// max operations per row, and the consumer warps are latency-bound.
+template <typename T>
+__device__ __forceinline__ T score_as(float x) {
+  if constexpr (std::is_same<T, int>::value) return __float_as_int(x);
+  else return x;
+}
+template <typename T>
+__device__ __forceinline__ void row_maxima(const float (&sc)[kSRegs], T lowest, T (&mx)[2]) {
+  T mp[2][4];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) mp[k / 4][k % 4] = lowest;
+#pragma unroll
+  for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = max(mp[(i >> 1) & 1][(i >> 2) & 3], score_as<T>(sc[i]));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    T m = max(max(mp[h][0], mp[h][1]), max(mp[h][2], mp[h][3]));
+    m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    mx[h] = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
   }
 }
 
@@ -72,22 +110,9 @@ __device__ __forceinline__ float advance_max(SoftmaxRows& st, float (&corr)[2], 
 __device__ __forceinline__ void softmax_max_raw(const KernelParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
                                                 float (&corr)[2], bool need_mask, int key0, const MaskRows& mr) {
   constexpr int kMasked = INT_MIN;
-  if (need_mask) {
-#pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + 8 * j + 2 * mr.c + (e & 1);
-        const int qi = mr.i_lo + 8 * (e >> 1);
-        if (!(key < mr.kv_len && (!p.causal || key <= qi + mr.diag))) sc[4 * j + e] = __int_as_float(kMasked);
-      }
-    }
-  }
-  int mp[2][4];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) mp[k / 4][k % 4] = kMasked;
-#pragma unroll
-  for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = max(mp[(i >> 1) & 1][(i >> 2) & 3], __float_as_int(sc[i]));
+  if (need_mask) mask_scores(p, mr, key0, sc, __int_as_float(kMasked));
+  int row_max[2];
+  row_maxima(sc, kMasked, row_max);
   // A NaN scale (a non-finite key in the tile) reaches the rows that see a key of the tile through c (NaN),
   // not through a: fma(-inf, NaN, c) would be NaN for the masked scores of rows that see none.
   const bool a_nan = isnan(st.a);
@@ -95,9 +120,7 @@ __device__ __forceinline__ void softmax_max_raw(const KernelParams& p, float (&s
   uint32_t off[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    int mx = max(max(mp[h][0], mp[h][1]), max(mp[h][2], mp[h][3]));
-    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const int mx = row_max[h];
     const float m_tile = mx == kMasked ? -CUDART_INF_F : a_nan ? CUDART_NAN_F : __int2float_rn(mx) * st.a;   // exact int
     const float m_ref = advance_max(st, corr, h, m_tile);
     st.c[h] = __fsub_rn(__fadd_rn(m_tile - m_ref, kLog2P), __fmul_rn(mpfa::kRoundMagic, st.a));
@@ -126,7 +149,7 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
     // takes the smallest normal instead: masked -inf must stay -inf (-inf * 0 is NaN).
     const float a = fa[0] * sq;
     st.a = __uint_as_float(__float_as_uint(a == 0.f ? __int_as_float(0x00800000) : a) & ~3u);
-    st.raw = p.fb == nullptr || (kCompMma && st.digits);
+    st.raw = p.fb == nullptr || comp_digits(p);
     if (st.raw_tile()) {
       softmax_max_raw(p, sc, st, corr, need_mask, key0, mr);
       return;
@@ -173,33 +196,12 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   }
   // Only the tiles on the diagonal or past the length pay for the mask (a branch, not predication:
   // the mask's compares and selects would double the softmax's instructions if run on every tile).
-  if (need_mask) {
-#pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + 8 * j + 2 * c + (e & 1);
-        const int qi = mr.i_lo + 8 * (e >> 1);
-        if (!(key < mr.kv_len && (!p.causal || key <= qi + mr.diag))) sc[4 * j + e] = -CUDART_INF_F;
-      }
-    }
-  }
-  // Row maxima as 4 independent chains per row, then a tree: one running chain would be 32 dependent
-  // FMNMX per row, and the consumer warps are latency-bound.
-  float mp[2][4];
+  if (need_mask) mask_scores(p, mr, key0, sc, -CUDART_INF_F);
+  float row_max[2];
+  row_maxima(sc, -CUDART_INF_F, row_max);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) mp[h][k] = -CUDART_INF_F;
-  }
-#pragma unroll
-  for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = fmaxf(mp[(i >> 1) & 1][(i >> 2) & 3], sc[i]);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = fmaxf(fmaxf(mp[h][0], mp[h][1]), fmaxf(mp[h][2], mp[h][3]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    advance_max(st, corr, h, mx);
+    advance_max(st, corr, h, row_max[h]);
   }
 }
 
