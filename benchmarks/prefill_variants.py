@@ -80,7 +80,7 @@ def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lam
     """Every variant at one of the prefill suite's shapes and one recipe; ``on_row`` gets each row as it is
     measured (the caller writes the file then: a variant that hangs its kernel leaves the rows before it).
     ``compensation`` (quantized recipes): Q smoothing + the rank-one term on, as served, or off (the
-    ``tile_scale`` build's FlashAttention-3-shaped softmax runs only without it)."""
+    ``tile_scale`` build's FlashAttention-3-shaped softmax runs without it, or with ``comp_mma``)."""
     import torch
     from benchmarks.timing import bench
     fns = build(recipe, variants)
