@@ -4,12 +4,14 @@ the main kernel, timed with the suites' timer, and compared with the default var
     python -m benchmarks.prefill_variants --shapes 16K,32K --recipes qk4pv8,qk8pv8 \\
         --variants "poly_every=8" "poly_every=4" "pingpong=0"
 
-Knobs are the template's study parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
-``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``, ``comp_mma``); the
-default build is always the first variant and the reference for the
-output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows there, one
-that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
-its cache, page order and plan; compensation on for the quantized recipes unless ``--compensation off``). Rows go to ``--out`` (default
+Knobs are the template's parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
+``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``, ``comp_mma``); a
+variant lists the knobs it sets, the rest take the template's defaults (``""``: all defaults, the two-warpgroup
+per-key build served before prefill v3). The served build (SERVED_KNOBS) is always the first variant and the
+reference for the output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows
+there, one that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
+its cache, page order and plan, made again for each variant from the same seed; compensation on for the quantized
+recipes unless ``--compensation off``). Rows go to ``--out`` (default
 benchmarks/results/studies/prefill_variants_h200.json) with the meta of the run; this is a study (a
 speed claim goes through the prefill suite beside its peers).
 """
@@ -42,54 +44,30 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def build(recipe: str, variants: list[dict]) -> list:
-    """The main-kernel entry point of each variant (built in parallel; the default first)."""
-    from mpfa.prefill import bind
+def build(recipe: str, variants: list[dict | None]) -> None:
+    """Builds every variant's library in parallel (None: the served build), so that the runs only load them."""
     from mpfa_jit import get_kernel
     from mpfa_jit.ops import prefill as op
     specs = [op.spec(recipe=recipe, head_dim=suite.HEAD_DIM, page_size=suite.PAGE, arch="sm_90a", knobs=v)
              for v in variants]
     with ThreadPoolExecutor(8) as ex:
-        return list(ex.map(lambda s: bind(get_kernel(s)), specs))
+        list(ex.map(get_kernel, specs))
 
 
-def retile(w, knobs: dict) -> None:
-    """Points the plan of wrapper ``w`` at query tiles of the variant's CTA height (``consumers=3``: 192 rows) and,
-    for ``comp_mma`` on a plan with compensation, at the buffers it adds (its per-head Q scale inputs and the
-    compensation digit images, outside the served workspace)."""
-    import torch
-    from mpfa.prefill import tile_schedule
-    from mpfa_jit.ops.prefill import image_bytes, tile_rows
-    p, a = w._plan, w._plan.kernel.params
-    qo = p.qo_indptr.cpu()
-    tiles = tile_schedule((qo[1:] - qo[:-1]).tolist(), p.paged.kv_lengths, p.causal, tile_rows(knobs)[0])
-    dev = p.qo_indptr.device
-    w._variant_tiles = [torch.tensor([x[i] for x in tiles], dtype=torch.int32, device=dev) for i in (0, 1)]
-    a.tile_req, a.tile_q = (t.data_ptr() for t in w._variant_tiles)
-    a.num_tiles = len(tiles)
-    a.q_head = a.cd_img = None
-    if knobs.get("comp_mma") and a.fb:
-        cd = a.num_kv_tiles * a.num_qo_heads * image_bytes(p.recipe.name, p.head_dim)["cd"]
-        w._variant_comp = (torch.empty(a.batch * a.num_qo_heads * 2, dtype=torch.float32, device=dev),
-                           torch.empty(cd, dtype=torch.uint8, device=dev))
-        a.q_head, a.cd_img = (t.data_ptr() for t in w._variant_comp)
-
-
-def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lambda row: None,
+def run(shape: str, recipe: str, variants: list[dict | None], seed: int = 0, on_row=lambda row: None,
         compensation: bool = True) -> list[dict]:
-    """Every variant at one of the prefill suite's shapes and one recipe; ``on_row`` gets each row as it is
-    measured (the caller writes the file then: a variant that hangs its kernel leaves the rows before it).
-    ``compensation`` (quantized recipes): Q smoothing + the rank-one term on, as served, or off (the
-    ``tile_scale`` build's FlashAttention-3-shaped softmax runs without it, or with ``comp_mma``)."""
+    """Every variant (None: the served build) at one of the prefill suite's shapes and one recipe; ``on_row`` gets
+    each row as it is measured (the caller writes the file then: a variant that hangs its kernel leaves the rows
+    before it). ``compensation`` (quantized recipes): Q smoothing + the rank-one term on, as served, or off."""
     import torch
     from benchmarks.timing import bench
-    fns = build(recipe, variants)
+    from mpfa_jit.ops.prefill import build_knobs
+    build(recipe, variants)
     case = suite._case("mpfa", recipe, shape, dict(suite.SHAPES)[shape], compensation if recipe != "bf16" else None)
-    w, q, layer = suite.mpfa_setup(case, torch.Generator(device="cuda").manual_seed(seed))
     rows, ref = [], None
-    for variant, fn in zip(variants, fns):
-        w._plan.kernel.fn = fn   # same plan and workspace; only the main kernel (and its CTA height) differs
-        retile(w, variant)
+    for variant in variants:
+        # the same inputs (same seed) planned for this build: its CTA height, workspace sections and kernel
+        w, q, layer = suite.mpfa_setup(case, torch.Generator(device="cuda").manual_seed(seed), knobs=variant)
         out = torch.full_like(q, float("nan"))
         w.run(q, layer, out=out)
         torch.cuda.synchronize()
@@ -97,14 +75,15 @@ def run(shape: str, recipe: str, variants: list[dict], seed: int = 0, on_row=lam
             ref = out.clone().float()
         diff = (out.float() - ref)
         t = bench(lambda: w.run(q, layer, out=out))
-        rows.append({"recipe": recipe, "shape": shape, "variant": variant or {"default": True},
+        rows.append({"recipe": recipe, "shape": shape, "variant": "served" if variant is None else variant,
+                     "knobs": build_knobs(recipe, variant),
                      "compensation": compensation if recipe != "bf16" else None,
                      "ms": t.median, "tflops": case["flops"] / (t.median * 1e-3) / 1e12, "spread": t.p80 / t.p20 - 1,
                      "finite": bool(torch.isfinite(out).all()), "max_abs_diff": float(diff.abs().max()),
                      "rel_l2": float(diff.norm() / ref.norm())})
         r = rows[-1]
         on_row(r)
-        print(f"{recipe:7s} {shape:18s} {str(variant or 'default'):28s} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s "
+        print(f"{recipe:7s} {shape:18s} {str(r['variant']):28s} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s "
               f"spread {r['spread']:.1%} max|diff| {r['max_abs_diff']:.3g} rel-L2 {r['rel_l2']:.2e}", flush=True)
     return rows
 
@@ -113,7 +92,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill_variants", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="16K,32K", help="prefill suite shapes, comma-separated (default %(default)s)")
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
-    ap.add_argument("--variants", nargs="+", default=["poly_every=8", "poly_every=4", "poly_every=2", "persistent=1"])
+    ap.add_argument("--variants", nargs="+", default=[""],
+                    help="knob sets, e.g. \"consumers=2,pingpong=1\" (default: \"\", the template defaults)")
     ap.add_argument("--out", default=str(results_io.RESULTS_DIR / "studies"))
     ap.add_argument("--compensation", choices=["on", "off"], default="on",
                     help="quantized recipes: Q smoothing + compensation as served (on) or off (default %(default)s)")
@@ -123,7 +103,7 @@ def main(argv=None) -> int:
     if not args.name or "/" in args.name or args.name.endswith(".json"):
         ap.error(f"--name: a file name without folder or .json, got {args.name!r}")
     try:
-        variants = [{}] + [parse_variant(v) for v in args.variants]
+        variants = [None] + [parse_variant(v) for v in args.variants]
     except ValueError as e:
         ap.error(str(e))
     recipes = [r for r in args.recipes.split(",") if r]

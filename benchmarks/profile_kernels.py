@@ -53,20 +53,17 @@ class _Launches:
         torch.cuda.synchronize()
 
 
-def prefill(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "", launches: int = 3):
+def prefill(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "served", launches: int = 3):
     """One of the prefill suite's shapes with its setup: ``python -m benchmarks.profile_kernels prefill qk4pv8
-    [16K|32K|...] [on|off] ["tile_scale=1,consumers=3,pingpong=0"]`` (compensation; a study build's knobs, as
-    benchmarks/prefill_variants.py takes them)."""
-    from benchmarks.prefill_variants import build, parse_variant, retile
+    [16K|32K|...] [on|off] ["served"|"consumers=2,pingpong=1"|""]`` (compensation; the served build, or a study
+    build's knobs as benchmarks/prefill_variants.py takes them, "" the template's defaults)."""
+    from benchmarks.prefill_variants import parse_variant
     from benchmarks.suites.prefill import SHAPES, _case, mpfa_setup
     if compensation not in ("on", "off"):
         raise ValueError(f"compensation must be 'on' or 'off', got {compensation!r}")
     case = _case("mpfa", recipe, shape, dict(SHAPES)[shape], (compensation == "on") if recipe != "bf16" else None)
-    w, q, layer = mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0))
-    variant = parse_variant(knobs)
-    if variant:
-        w._plan.kernel.fn = build(recipe, [variant])[0]
-        retile(w, variant)
+    w, q, layer = mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0),
+                             knobs=None if knobs == "served" else parse_variant(knobs))
     _Launches(launches).bench(lambda: w.run(q, layer))
 
 

@@ -238,28 +238,16 @@ def kt8(x: torch.Tensor) -> torch.Tensor:
 # the per-key scale each integer format stores (the correction ~c is stored under it): row amax -> target
 K_SCALE_TARGET = {"ki8": I8.INT8_MAX, "ki4t127": 127.0}
 
-def requantize_per_tile(q: torch.Tensor, scale: torch.Tensor, tile: int = KV_TILE) -> torch.Tensor:
-    """Integer K ``q [m, H_kv, D]`` (values of INT8 MMA operands) under per-token scales ``scale [m, H_kv]``,
-    requantized to one scale per ``tile`` consecutive keys and head (:func:`mpfa.recipes.int8.requantize_k_tile`,
-    what the prefill's ``tile_scale`` pre-pass writes), dequantized."""
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for t0 in range(0, q.shape[0], tile):
-        for h in range(q.shape[1]):
-            q8, s_t = I8.requantize_k_tile(q[t0:t0 + tile, h], scale[t0:t0 + tile, h])
-            out[t0:t0 + tile, h] = q8.float() * s_t
-    return out
-
-
 def ki8t(x: torch.Tensor) -> torch.Tensor:
     """``ki8`` requantized to one scale per K tile (issue 21's uniform tile scale)."""
     q, s = I8.quantize_k_per_token(x)
-    return requantize_per_tile(q, s)
+    return I8.tile_scaled_k(q, s, KV_TILE)
 
 
 def ki4t(x: torch.Tensor) -> torch.Tensor:
     """``ki4`` (i4rs) expanded to its INT8 image and requantized to one scale per K tile."""
     k8, k4p, bs, s = I8.quantize_i4rs(x)
-    return requantize_per_tile(I8.i4rs_to_int8(k8, k4p, bs), s)
+    return I8.tile_scaled_k(I8.i4rs_to_int8(k8, k4p, bs), s, KV_TILE)
 
 
 K_FORMATS = {

@@ -1,9 +1,9 @@
 """Specs of the batch prefill/extend kernel (templates/prefill.cu.jinja): wgmma (IGMMA + QGMMA / HGMMA) over the
-paged cache; its pre-passes (mu_Q; the KV tile images with the compensation vector) are in the same
-library.
+paged cache; its pre-passes (mu_Q and the per-head Q scale inputs; the KV tile images with the compensation
+terms) are in the same library.
 
-Causality and the GQA group are runtime arguments (one build serves both), so a specialization is
-(recipe, head_dim, page_size, arch)."""
+Causality and the GQA group are runtime arguments (one build serves both), so a served specialization is
+(recipe, head_dim, page_size, arch); its schedule and numerics are the recipe's SERVED_KNOBS."""
 from __future__ import annotations
 
 import ctypes
@@ -26,27 +26,63 @@ GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 PARAMS_LAYOUT_SYMBOL = "mpfa_prefill_params_layout"
 
 # Tile sizes: rendered into the template (kBM, kBN, kMuRows) and used by the wrapper's schedule and workspace.
-Q_TILE = 128    # query rows per CTA (the served build: two consumer warpgroups of 64 rows)
+WG_ROWS = 64    # query rows per consumer warpgroup (a CTA holds 2 or 3 of them: tile_rows)
 KV_TILE = 128   # keys per K/V tile image
 MU_ROWS = 128   # query rows per block of the mu_Q partial sums
-# Study knobs of the template (benchmarks/prefill_variants.py) and the values each accepts; a knob left out
-# takes the template's default (the served build sets none).
+# Knobs of the template and the values each accepts; a knob left out takes the template's default. The served
+# builds set SERVED_KNOBS; the others are study variants (benchmarks/prefill_variants.py, benchmarks/NOTES.md).
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
          "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1)}
+# The served build of each recipe. The 8-bit recipes: three consumer warpgroups of 64 rows in order (QK ->
+# softmax -> PV -> fold), one K scale per 128-key tile (the pre-pass requantizes each K tile image to its largest
+# token scale) so the softmax is FlashAttention-3's, and the compensation term as one more INT8 k-step of the QK
+# MMA (one Q scale per request and head). bf16: two warpgroups in ping-pong.
+SERVED_KNOBS = {"bf16": {"consumers": 3, "pingpong": 0, "stages": 2},
+                "qk8pv8": {"consumers": 3, "pingpong": 0},
+                "qk4pv8": {"consumers": 3, "pingpong": 0, "tile_scale": 1, "comp_mma": 1}}
 
 
-def tile_rows(knobs: dict | None = None) -> tuple[int, int]:
-    """(query rows per CTA, query rows per INT8 Q scale) of a build. The Q scale tile is the recipe's
-    (mpfa.recipes.int8.Q_TILE, whole 64-row warpgroups); the CTA holds Q_TILE rows, two consumer warpgroups'
-    worth, or three warpgroups' with the study knob ``consumers=3`` (with ``pingpong=0``)."""
+def build_knobs(recipe: str, knobs: dict | None = None) -> dict:
+    """The knobs of a build: ``knobs`` as given (a study variant; {} is the template's defaults; names and values
+    checked), or the served build's of ``recipe`` when None."""
+    if knobs is not None:
+        for name, value in knobs.items():
+            if value not in KNOBS.get(name, ()):
+                raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
+        if knobs.get("consumers") == 3 and knobs.get("pingpong", 1) != 0:
+            raise ValueError("prefill knob consumers=3 needs pingpong=0 (the ping-pong schedule pairs two warpgroups)")
+        if knobs.get("comp_mma") and not knobs.get("tile_scale"):
+            raise ValueError("prefill knob comp_mma=1 needs tile_scale=1 (its digits are in units of one K scale per "
+                             "tile)")
+        return dict(knobs)
+    if recipe not in SERVED_KNOBS:
+        raise ValueError(f"recipe must be one of {list(SERVED_KNOBS)}, got {recipe!r}")
+    return dict(SERVED_KNOBS[recipe])
+
+
+def tile_rows(knobs: dict) -> tuple[int, int]:
+    """(query rows per CTA, query rows per INT8 Q scale) of a build (``knobs``: build_knobs). The Q scale tile is
+    the recipe's (mpfa.recipes.int8.Q_TILE, whole 64-row warpgroups) unless comp_mma gives each (request, head)
+    one; the CTA holds two consumer warpgroups' rows, or three's with ``consumers=3`` (with ``pingpong=0``)."""
     from mpfa.recipes.int8 import Q_TILE as q_scale_rows   # imported here: mpfa imports mpfa_jit at module level
-    return Q_TILE // 2 * (knobs or {}).get("consumers", 2), q_scale_rows
+    return WG_ROWS * knobs.get("consumers", 2), q_scale_rows
+
+
+def numerics(recipe: str, knobs: dict) -> dict:
+    """What a build of ``recipe`` computes beyond the recipe, as keyword arguments of mpfa.reference.batch_attention:
+    ``q_tile`` (rows per INT8 Q scale), ``p_scale`` (P's scale before its E4M3 rounding), ``comp_digits`` (one Q
+    scale per request and head, comp_mma) and ``k_tile`` (keys per K scale: KV_TILE with tile_scale, else None:
+    one scale per key). bf16 has none of them."""
+    if recipe == "bf16":
+        return {}
+    return {"q_tile": tile_rows(knobs)[1], "p_scale": p_scale(knobs), "comp_digits": bool(knobs.get("comp_mma")),
+            "k_tile": KV_TILE if knobs.get("tile_scale") else None}
 
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
     """Bytes of one KV tile's images per KV head: K (KV_TILE x head_dim MMA elements), V^T (the same) and the
     per-key factor vector fa (quantized recipes; fb, per query head, has its size); and per query head, the
-    compensation digit image of the study knob comp_mma (cd: KV_TILE x COMP_DIGITS bytes)."""
+    compensation digit image of comp_mma builds (cd: KV_TILE x COMP_DIGITS bytes)."""
     elt = 2 if recipe == "bf16" else 1
     from mpfa.recipes.int8 import COMP_DIGITS
     return {"k": KV_TILE * head_dim * elt, "v": KV_TILE * head_dim * elt, "fa": 0 if recipe == "bf16" else KV_TILE * 4,
@@ -68,14 +104,14 @@ class PrefillParams(ctypes.Structure):
                 ("q_head", _p), ("cd_img", _p), ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
 
 
-def p_scale(knobs: dict | None = None) -> float:
-    """The scale of P before its E4M3 rounding in a build (mpfa.recipes.fp8: P_SCALE; the study knob
-    ``tile_scale=1`` takes P_SCALE_POW2)."""
+def p_scale(knobs: dict) -> float:
+    """The scale of P before its E4M3 rounding in a build (mpfa.recipes.fp8: P_SCALE; ``tile_scale=1`` takes
+    P_SCALE_POW2)."""
     from mpfa.recipes.fp8 import P_SCALE, P_SCALE_POW2   # imported here: mpfa imports mpfa_jit at module level
-    return P_SCALE_POW2 if (knobs or {}).get("tile_scale") else P_SCALE
+    return P_SCALE_POW2 if knobs.get("tile_scale") else P_SCALE
 
 
-def render_context(recipe: str, head_dim: int, knobs: dict | None = None) -> dict:
+def render_context(recipe: str, head_dim: int, knobs: dict) -> dict:
     """What the template renders besides the key: the cache layout check, the tile sizes above and P's scale."""
     from mpfa.recipes.int8 import COMP_DIGITS, COMP_SCALE_DIVISOR
     img = image_bytes(recipe, head_dim)
@@ -89,17 +125,10 @@ def render_context(recipe: str, head_dim: int, knobs: dict | None = None) -> dic
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,
          knobs: dict | None = None) -> KernelSpec:
     """``group_size`` (num_qo_heads / num_kv_heads) is checked against the tested range, not part of the key.
-    ``knobs``: study knobs (KNOBS) for a variant build; they join the key."""
+    ``knobs``: None for the served build (SERVED_KNOBS), or a study variant's knobs (KNOBS); they join the key."""
     check("batch-prefill", dict(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size),
           dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES, group_size=GROUP_SIZES))
-    knobs = dict(knobs or {})
-    for name, value in knobs.items():
-        if value not in KNOBS.get(name, ()):
-            raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
-    if knobs.get("consumers") == 3 and knobs.get("pingpong", 1) != 0:
-        raise ValueError("prefill knob consumers=3 needs pingpong=0 (the ping-pong schedule pairs two warpgroups)")
-    if knobs.get("comp_mma") and not knobs.get("tile_scale"):
-        raise ValueError("prefill knob comp_mma=1 needs tile_scale=1 (its digits are in units of one K scale per tile)")
+    knobs = build_knobs(recipe, knobs)
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size, **knobs},
                            arch, symbols=(SYMBOL, SMEM_SYMBOL, PARAMS_LAYOUT_SYMBOL),
                            context=render_context(recipe, head_dim, knobs))

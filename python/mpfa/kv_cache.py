@@ -19,7 +19,7 @@ from mpfa_jit.ops import append_kv as append_op
 
 from .recipes import Recipe, get_recipe
 from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
-from .recipes.int8 import I4RS_BLOCK, dequantize_i4rs, dequantize_k_per_token
+from .recipes.int8 import I4RS_BLOCK, dequantize_i4rs, dequantize_k_per_token, i4rs_to_int8
 from .recipes.smoothing import k_smoothing_mean
 from .validation import check_choice, check_positive_int
 
@@ -68,6 +68,19 @@ class KVCacheLayer:
         if add_mean and self.mu_k is not None:
             k = k + self.mu_k.to(dtype).unsqueeze(1)
         return k, v
+
+    def k_operand(self, pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized K: (the INT8 rows the QK MMA multiplies ``[num_pages, H, P, D]`` int8 (qk4pv8: the i4rs row's
+        INT8 image), their per-token scales ``[num_pages, H, P]`` float32), of ``pages`` only if given; K - mu_K is
+        their product."""
+        if self.recipe.k_format == "bf16":
+            raise ValueError(f"k_operand: recipe {self.recipe.name} stores K as bf16, not as INT8 rows with scales")
+        f = self.fields if pages is None else {n: t[pages.long()] for n, t in self.fields.items()}
+        if self.recipe.k_format == "int8":
+            ints = f["k"]
+        else:
+            ints = i4rs_to_int8(f["k8"], f["k"], f["k_block_scale"][..., : self.head_dim // (2 * I4RS_BLOCK)])
+        return ints, f["k_scale"].float()
 
 
 class PagedKVCache:

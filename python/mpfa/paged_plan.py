@@ -85,6 +85,8 @@ def reference_run(q, qo_indptr, kv, paged: PagedBatch, out, return_lse: bool, **
     from .reference.attention import batch_attention
     ids = paged.paged_kv_indices[: int(paged.paged_kv_indptr[-1])]
     k_pages, v_pages = kv.dequantize(pages=ids)
+    if attention_kwargs.get("k_tile"):   # K as a tile_scale prefill build scores it
+        attention_kwargs["k_operand_pages"] = kv.k_operand(pages=ids)
     local = torch.arange(ids.numel(), device=ids.device)
     o, lse = batch_attention(q, qo_indptr, k_pages, v_pages, paged.paged_kv_indptr, local,
                              paged.paged_kv_last_page_len, dtype=torch.float32, **attention_kwargs)

@@ -9,11 +9,13 @@ request's KV, and the causal mask is aligned to that end.
 
 Kernel path (sm_90a, templates/prefill.cu.jinja): a pre-pass turns the request's paged, compressed
 K/V into MMA-ready tile images in the workspace (INT8 or bf16 K, transposed V, per-key factors and
-the compensation vector), then a warp-specialized wgmma kernel (quantized recipes: IGMMA for QK, QGMMA
-for PV; HGMMA for bf16) runs one CTA per (128-row query tile, query head), one INT8 Q scale per 64 rows.
-``plan`` validates, builds the query-tile list (longest KV first) and the KV-tile list, copies them and the
-page table into int32 device buffers, carves the workspace, and builds/loads the kernel. ``run`` only
-launches: no host sync.
+the compensation terms), then a warp-specialized wgmma kernel (quantized recipes: IGMMA for QK, QGMMA
+for PV; HGMMA for bf16) runs one CTA per (query tile, query head). The 8-bit recipes' build
+(mpfa_jit/ops/prefill.py SERVED_KNOBS): 192-row query tiles (three consumer warpgroups), one K scale per
+128-key tile, the compensation as one more INT8 k-step of the QK MMA under one Q scale per (request, head);
+bf16: 128-row tiles (two warpgroups). ``plan`` validates, builds the query-tile list (longest KV first) and
+the KV-tile list, copies them and the page table into int32 device buffers, carves the workspace, and
+builds/loads the kernel. ``run`` only launches: no host sync.
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-# The tile sizes (query rows per CTA, keys per KV tile image, query rows per mu_Q block) are the kernel's:
-# prefill_op.Q_TILE, KV_TILE and MU_ROWS, rendered into its template; read here at call time.
+# The tile sizes (query rows per CTA, keys per KV tile image, query rows per mu_Q block) are the kernel build's:
+# prefill_op.tile_rows(knobs), KV_TILE and MU_ROWS, rendered into its template; read here at call time.
 
 
 def mu_blocks(qo_lens) -> int:
@@ -55,12 +57,15 @@ def kv_tiles(kv_lengths, recipe: str) -> list[int]:
 
 
 def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
-                     recipe: str, compensation: bool, max_qo_len: int = 0) -> dict[str, tuple[int, int]]:
+                     recipe: str, compensation: bool, max_qo_len: int = 0, *,
+                     knobs: dict | None = None) -> dict[str, tuple[int, int]]:
     """Byte (offset, size) of each workspace section the kernel path uses: the K and V^T tile images
     (n_kv_tiles x Hkv x KV_TILE x head_dim elements each), the per-key factors fa (quantized
     recipes), and with compensation mu_Q [batch, Hq, D], its partial sums [blocks of MU_ROWS rows of
-    the longest chunk (``max_qo_len``; at most the longest KV), batch, Hq, D] and fb [n_kv_tiles, Hq,
-    KV_TILE] (fp32)."""
+    the longest chunk (``max_qo_len``; at most the longest KV), batch, Hq, D] and the per-key terms: fb
+    [n_kv_tiles, Hq, KV_TILE] (fp32), or in comp_mma builds (the 8-bit recipes' served one) each head's Q scale
+    inputs q_head [batch, Hq, 2] (fp32) and the digit images cd [n_kv_tiles, Hq, KV_TILE x COMP_DIGITS bytes].
+    ``knobs``: the kernel build (None: the served one, mpfa_jit/ops/prefill.py build_knobs)."""
     n = sum(kv_tiles(kv_lengths, recipe))
     img = prefill_op.image_bytes(recipe, head_dim)
     sizes = {"k_img": n * num_kv_heads * img["k"], "v_img": n * num_kv_heads * img["v"]}
@@ -70,7 +75,11 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
             sizes["mu"] = batch_size * num_qo_heads * head_dim * 4
             rows = max_qo_len or max(kv_lengths, default=0)
             sizes["mu_part"] = mu_blocks([rows]) * batch_size * num_qo_heads * head_dim * 4
-            sizes["fb"] = n * num_qo_heads * img["fa"]
+            if prefill_op.build_knobs(recipe, knobs).get("comp_mma"):
+                sizes["q_head"] = batch_size * num_qo_heads * 2 * 4
+                sizes["cd"] = n * num_qo_heads * img["cd"]
+            else:
+                sizes["fb"] = n * num_qo_heads * img["fa"]
     layout, off = {}, 0
     for name, size in sizes.items():
         layout[name] = (off, size)
@@ -79,23 +88,23 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
 
 
 def workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
-                    recipe: str, compensation: bool, max_qo_len: int = 0) -> int:
+                    recipe: str, compensation: bool, max_qo_len: int = 0, *, knobs: dict | None = None) -> int:
     """Workspace the kernel path needs (see workspace_layout): about 2 bytes per K/V element of the
-    batch's keys for the FP8 recipes (4 for bf16), plus 4 bytes per key and query head with
-    compensation."""
+    batch's keys for the FP8 recipes (4 for bf16), plus, with compensation, 32 bytes per key and query head
+    (the served 8-bit build's digits; 4 with per-key terms)."""
     return _layout_bytes(workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe,
-                                          compensation, max_qo_len))
+                                          compensation, max_qo_len, knobs=knobs))
 
 
 def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
     return _align(max((o + n for o, n in layout.values()), default=0))
 
 
-def tile_schedule(qo_lens, kv_lengths, causal: bool, q_tile: int | None = None) -> list[tuple[int, int]]:
+def tile_schedule(qo_lens, kv_lengths, causal: bool, q_tile: int) -> list[tuple[int, int]]:
     """(request, query tile) pairs, the longest KV range first (a simple longest-job-first order for
     the grid). A causal tile sees keys up to its last row's diagonal. ``q_tile``: query rows per CTA of the
-    kernel that runs the plan (default prefill_op.Q_TILE, the served build's)."""
-    tiles, q_tile = [], q_tile or prefill_op.Q_TILE
+    kernel build that runs the plan (prefill_op.tile_rows)."""
+    tiles = []
     for b, (nq, nkv) in enumerate(zip(qo_lens, kv_lengths)):
         for t in range(-(-nq // q_tile)):
             last_row = min(nq, (t + 1) * q_tile)
@@ -106,9 +115,11 @@ def tile_schedule(qo_lens, kv_lengths, causal: bool, q_tile: int | None = None) 
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str):
-    """The library's entry point (``bind``); ``group_size`` is checked against the tested range, not built in."""
-    spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch)
+def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str, knobs: tuple):
+    """The library's entry point (``bind``); ``group_size`` is checked against the tested range, not built in;
+    ``knobs``: the build's, as sorted (name, value) pairs."""
+    spec = prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size, arch=arch,
+                           knobs=dict(knobs))
     return bind(get_kernel(spec))
 
 
@@ -141,6 +152,7 @@ class PrefillPlan:
     sm_scale: float
     recipe: Recipe
     compensation: bool
+    knobs: dict                        # the kernel build's (prefill_op.build_knobs): its schedule and numerics
     kernel: KernelPlan | None = None   # None on the reference backend
 
 
@@ -157,8 +169,10 @@ class BatchPrefillWrapper:
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, *, causal: bool = True, sm_scale: float | None = None,
-             recipe: str = "qk4pv8", compensation: bool = True) -> None:
-        """Host-side scheduling for one batch (may synchronize). Raises for a missing kernel."""
+             recipe: str = "qk4pv8", compensation: bool = True, knobs: dict | None = None) -> None:
+        """Host-side scheduling for one batch (may synchronize). Raises for a missing kernel. ``knobs``: a study
+        variant of the kernel (mpfa_jit/ops/prefill.py KNOBS; benchmarks/prefill_variants.py), whose numerics
+        the reference backend follows too; None (the default) runs the served build."""
         recipe_ = check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe)
         paged = check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         check_tensor("qo_indptr", qo_indptr, dtypes=(torch.int32, torch.int64), shape=(paged.batch_size + 1,))
@@ -175,32 +189,35 @@ class BatchPrefillWrapper:
         device = paged_kv_indices.device
         self.backend = resolve(self.requested_backend, device)
         sm_scale = check_sm_scale(sm_scale, head_dim)
+        if knobs is not None and not isinstance(knobs, dict):
+            raise ValueError(f"knobs must be a dict of prefill kernel knobs or None, got {knobs!r}")
+        knobs = prefill_op.build_knobs(recipe_.name, knobs)
         plan = PrefillPlan(qo_indptr=qo_indptr, total_q=int(qo[-1]), paged=paged, num_qo_heads=num_qo_heads,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=causal,
-                           sm_scale=sm_scale, recipe=recipe_, compensation=compensation)
+                           sm_scale=sm_scale, recipe=recipe_, compensation=compensation, knobs=knobs)
         if self.backend == "cuda":
             group = num_qo_heads // num_kv_heads
             # Loaded once per specialization (cached); an unbuilt shape raises here, before any other work.
             fn = with_reference_hint(_kernel, recipe=recipe_.name, head_dim=head_dim, page_size=page_size,
-                                     group_size=group, arch=kernel_arch(device))
+                                     group_size=group, arch=kernel_arch(device), knobs=tuple(sorted(knobs.items())))
             plan.kernel = self._plan_kernel(fn, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads,
-                                            head_dim, causal, sm_scale, compensation)
+                                            head_dim, causal, sm_scale, compensation, knobs)
         self._plan = plan
 
     def _plan_kernel(self, fn, qo, qo_lens, paged, device, recipe_, num_qo_heads, num_kv_heads, head_dim, causal,
-                     sm_scale, compensation) -> KernelPlan:
+                     sm_scale, compensation, knobs) -> KernelPlan:
         dev_index = device_index(device)
         batch = paged.batch_size
         kv_lengths = paged.kv_lengths
         compensate = bool(compensation and recipe_.quantized_q)
         max_qo = max(qo_lens, default=0)
         layout = workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
-                                  max_qo)
+                                  max_qo, knobs=knobs)
         need = _layout_bytes(layout)
         check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query / {num_kv_heads} "
                         f"KV heads, head_dim {head_dim}, {sum(kv_lengths)} KV tokens, recipe {recipe_.name}"
                         + (", compensation" if compensate else ""))
-        tiles = tile_schedule(qo_lens, kv_lengths, causal)
+        tiles = tile_schedule(qo_lens, kv_lengths, causal, prefill_op.tile_rows(knobs)[0])
         counts = kv_tiles(kv_lengths, recipe_.name)
         kv_tile_base, kvt_req, kvt_idx = [], [], []
         for b, n in enumerate(counts):
@@ -232,7 +249,8 @@ class BatchPrefillWrapper:
             num_kv_heads=num_kv_heads, causal=int(causal), sm_scale=sm_scale,
             mu_blocks=mu_blocks(qo_lens) if compensate else 0, mu_part=_ptr(sections.get("mu_part")),
             mu=_ptr(sections.get("mu")), k_img=_ptr(sections.get("k_img")), v_img=_ptr(sections.get("v_img")),
-            fa=_ptr(sections.get("fa")), fb=_ptr(sections.get("fb")))
+            fa=_ptr(sections.get("fa")), fb=_ptr(sections.get("fb")), q_head=_ptr(sections.get("q_head")),
+            cd_img=_ptr(sections.get("cd")))
         return KernelPlan(fn=fn, device_index=dev_index, params=params, sections=sections)
 
     def run(self, q: torch.Tensor, kv, *, out: torch.Tensor | None = None, return_lse: bool = False):
@@ -249,7 +267,7 @@ class BatchPrefillWrapper:
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
         return reference_run(q, p.qo_indptr, kv, p.paged, out, return_lse, causal=p.causal, sm_scale=p.sm_scale,
-                             recipe=p.recipe, compensation=p.compensation)
+                             recipe=p.recipe, compensation=p.compensation, **prefill_op.numerics(p.recipe.name, p.knobs))
 
     def _run_kernel(self, q, kv, out, return_lse):
         k = self._plan.kernel

@@ -338,6 +338,15 @@ def _queries(n, d, gen):
 REQUESTS = [(21, 9), (40, 0), (0, 16), (37, 1), (3, 45)]
 
 
+def _served_numerics(recipe, layer) -> dict:
+    """batch_attention's arguments for the served prefill build of ``recipe`` (its K tile scale: K's INT8 rows)."""
+    from mpfa_jit.ops import prefill as prefill_op
+    kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe))
+    if kw.get("k_tile"):
+        kw["k_operand_pages"] = layer.k_operand()
+    return kw
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("d", [64, 128])
 def test_prefill_reference_matches_oracle(recipe, d):
@@ -356,7 +365,7 @@ def test_prefill_reference_matches_oracle(recipe, d):
         assert lse.shape == (total_q, HEADS) and torch.isfinite(lse).all()
         kp, vp = layer.dequantize(torch.float64)
         ro, rlse = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
-                                   dtype=torch.float64)
+                                   dtype=torch.float64, **_served_numerics(recipe, layer))
         _assert_matches_oracle(o, ro)
         assert torch.allclose(lse.double(), rlse, rtol=1e-5, atol=1e-4)
         # And close to exact attention on the original, unquantized K/V of each request.
@@ -387,10 +396,44 @@ def test_prefill_out_in_place_and_compensation_flag():
         assert res is out or res.data_ptr() == out.data_ptr()
         assert not torch.isnan(out).any()
         ro, _ = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe="qk8pv8",
-                                compensation=comp, dtype=torch.float64)
+                                compensation=comp, dtype=torch.float64, **_served_numerics("qk8pv8", layer))
         _assert_matches_oracle(out, ro)
         outs[comp] = out
     assert not torch.equal(outs[True], outs[False])       # the flag reaches the numerics
+
+
+@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+def test_prefill_reference_follows_the_kernel_builds_numerics(recipe):
+    """plan(knobs=) picks a kernel build, and the reference backend computes what that build does: prefill v3's
+    numerics (one K scale per 128-key tile, one Q scale per request and head with compensation) differ from the
+    per-key ones (per-key K scales, 64-row Q scales), each build matching its own oracle; bad knobs are refused."""
+    from mpfa_jit.ops import prefill as prefill_op
+    v3 = {"tile_scale": 1, "comp_mma": 1, "consumers": 3, "pingpong": 0}
+    gen = _gen(42)
+    d = 64
+    requests = [(300, 40), (0, 200), (129, 1)]   # several K tiles, a one-row request
+    cache, (indptr, indices, last), _, qo_indptr = _batch(recipe, d, gen, requests)
+    layer = cache.layer(0)
+    q = _queries(int(qo_indptr[-1]), d, gen)
+    kp, vp = layer.dequantize(torch.float64)
+    outs = {}
+    for name, knobs in (("served", None), ("v3", v3), ("per-key", {})):
+        w = mpfa.BatchPrefillWrapper(_workspace(), backend="reference")
+        w.plan(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=knobs)
+        outs[name] = w.run(q, layer)
+        kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe, knobs))
+        if kw["k_tile"]:
+            kw["k_operand_pages"] = layer.k_operand()
+        ro, _ = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
+                                dtype=torch.float64, **kw)
+        _assert_matches_oracle(outs[name], ro)
+    assert not torch.equal(outs["v3"], outs["per-key"])
+    assert torch.equal(outs["served"], outs["v3" if prefill_op.SERVED_KNOBS[recipe].get("tile_scale") else "per-key"])
+    w = mpfa.BatchPrefillWrapper(_workspace(), backend="reference")
+    for bad, msg in (({"consumers": 4}, "consumers=4"), ({"comp_mma": 1}, "needs tile_scale=1"),
+                     ("tile_scale=1", "knobs must be a dict")):
+        with pytest.raises(ValueError, match=msg):
+            w.plan(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=bad)
 
 
 def test_prefill_non_causal_and_sm_scale():

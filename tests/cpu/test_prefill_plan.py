@@ -3,6 +3,7 @@ template's rendering, and nvcc builds for sm_90a with a SASS check (IGMMA for th
 QK and QGMMA for their PV, HGMMA for bf16, bulk copies on mbarriers, register hand-over between warpgroups, nothing spilled) and
 the library's PrefillParams against its ctypes mirror."""
 import ctypes
+import itertools
 import math
 import re
 import subprocess
@@ -18,7 +19,8 @@ from mpfa_jit.errors import KernelAbiError
 from mpfa_jit.ops import prefill as prefill_op
 
 ARCH = "sm_90a"
-Q_TILE = prefill_op.Q_TILE
+SERVED_Q_TILE = prefill_op.tile_rows(prefill_op.build_knobs("qk4pv8"))[0]
+PER_KEY = {}   # the template's defaults: per-key K scales and fb terms, two consumer warpgroups
 
 
 def test_workspace_arithmetic_follows_the_op_modules_tile_sizes(monkeypatch):
@@ -28,11 +30,12 @@ def test_workspace_arithmetic_follows_the_op_modules_tile_sizes(monkeypatch):
     base = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     monkeypatch.setattr(prefill_op, "KV_TILE", 64)
     monkeypatch.setattr(prefill_op, "MU_ROWS", 100)
-    monkeypatch.setattr(prefill_op, "Q_TILE", 64)
+    monkeypatch.setattr(prefill_op, "WG_ROWS", 32)
     assert kv_tiles(lens, "qk4pv8") == [16, 1, 2] and mu_blocks([300]) == 3
-    assert len(tile_schedule([300], [300], causal=False)) == 5
+    assert prefill_op.tile_rows({})[0] == 64 and prefill_op.tile_rows(prefill_op.build_knobs("qk8pv8"))[0] == 96
     lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
-    assert lay["k_img"][1] == 19 * 8 * 64 * 128 and lay["fb"][1] == 19 * 32 * 64 * 4
+    assert lay["k_img"][1] == 19 * 8 * 64 * 128 and lay["cd"][1] == 19 * 32 * 64 * 32
+    assert workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, knobs=PER_KEY)["fb"][1] == 19 * 32 * 64 * 4
     assert lay["mu_part"][1] == 3 * 3 * 32 * 128 * 4
     assert lay != base
 
@@ -40,12 +43,13 @@ def test_workspace_arithmetic_follows_the_op_modules_tile_sizes(monkeypatch):
 def test_render_context_carries_the_tile_sizes_and_cache_layout():
     s = prefill_op.spec(recipe="qk4pv8", head_dim=64, page_size=16, arch=ARCH)
     ctx = dict(s.context)
-    assert (ctx["q_tile"], ctx["kv_tile"], ctx["mu_rows"]) == (prefill_op.Q_TILE, prefill_op.KV_TILE, prefill_op.MU_ROWS)
+    assert (ctx["q_tile"], ctx["kv_tile"], ctx["mu_rows"]) == (SERVED_Q_TILE, prefill_op.KV_TILE, prefill_op.MU_ROWS)
     assert (ctx["k_image_bytes"], ctx["v_image_bytes"], ctx["fa_bytes"]) == (128 * 64, 128 * 64, 128 * 4)
     assert ctx["recipe_enum"] == "kQk4pv8" and dict(ctx["cache_fields"])["k_block_scale"] == 4
     assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0, "cd": 0}
-    assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # the comp_mma study's digit image
-    assert s.key == "prefill_head_dim-64_page_size-16_recipe-qk4pv8_sm_90a"   # the context is not in the key
+    assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # comp_mma's digit image
+    # the served knobs join the key; the context does not
+    assert s.key == "prefill_comp_mma-1_consumers-3_head_dim-64_page_size-16_pingpong-0_recipe-qk4pv8_tile_scale-1_sm_90a"
 
 
 def test_params_mirror_is_naturally_aligned():
@@ -62,8 +66,10 @@ def test_params_mirror_is_naturally_aligned():
 
 
 def test_specs_and_unsupported_shapes():
-    s = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH)
+    s = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=PER_KEY)
     assert s.key == "prefill_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a"
+    assert prefill_op.spec(recipe="bf16", head_dim=128, page_size=16, arch=ARCH).key == \
+        "prefill_consumers-3_head_dim-128_page_size-16_pingpong-0_recipe-bf16_stages-2_sm_90a"
     for bad in (dict(head_dim=256), dict(page_size=8), dict(recipe="fp4")):
         kw = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH) | bad
         with pytest.raises(UnknownKernelError):
@@ -87,17 +93,17 @@ def test_render_substitutes_parameters():
 def test_tile_schedule_covers_every_row_once_longest_first():
     qo = [1, 128, 129, 300, 0]
     kv = [10, 128, 1000, 300, 5]
-    for causal in (True, False):
-        tiles = tile_schedule(qo, kv, causal)
-        assert sorted(tiles) == sorted((b, t) for b, n in enumerate(qo) for t in range(-(-n // Q_TILE)))
+    for causal, q_tile in itertools.product((True, False), (128, 192)):
+        tiles = tile_schedule(qo, kv, causal, q_tile)
+        assert sorted(tiles) == sorted((b, t) for b, n in enumerate(qo) for t in range(-(-n // q_tile)))
 
         def work(bt):
             b, t = bt
-            last = min(qo[b], (t + 1) * Q_TILE)
+            last = min(qo[b], (t + 1) * q_tile)
             return min(kv[b], last + kv[b] - qo[b]) if causal else kv[b]
         ws = [work(x) for x in tiles]
         assert ws == sorted(ws, reverse=True)
-    assert tile_schedule([], [], True) == []
+    assert tile_schedule([], [], True, 128) == []
 
 
 def test_workspace_layout():
@@ -106,12 +112,18 @@ def test_workspace_layout():
     n = 10   # KV tiles of the FP8 recipes
     lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     assert lay["k_img"][1] == lay["v_img"][1] == n * 8 * 128 * 128
-    assert lay["fa"][1] == n * 8 * 128 * 4 and lay["fb"][1] == n * 32 * 128 * 4 and lay["mu"][1] == 3 * 32 * 128 * 4
+    assert lay["fa"][1] == n * 8 * 128 * 4 and lay["mu"][1] == 3 * 32 * 128 * 4
     assert lay["mu_part"][1] == 3 * 3 * 32 * 128 * 4          # ceil(300 / MU_ROWS) blocks per request
-    spans = sorted(lay.values())
-    assert all(o % 256 == 0 for o, _ in spans)
-    assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # no overlap
+    # the served 8-bit build: per-head Q scale inputs and digit images instead of fb
+    assert lay["q_head"][1] == 3 * 32 * 2 * 4 and lay["cd"][1] == n * 32 * 128 * 32 and "fb" not in lay
+    per_key = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300, knobs=PER_KEY)
+    assert per_key["fb"][1] == n * 32 * 128 * 4 and not {"q_head", "cd"} & set(per_key)
+    for layout in (lay, per_key):
+        spans = sorted(layout.values())
+        assert all(o % 256 == 0 for o, _ in spans)
+        assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # no overlap
     total = workspace_bytes(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
+    spans = sorted(lay.values())
     assert total >= spans[-1][0] + spans[-1][1] and total % 256 == 0
     assert set(workspace_layout(3, 32, 8, 128, lens, "qk4pv8", False)) == {"k_img", "v_img", "fa"}
     bf = workspace_layout(3, 32, 8, 128, lens, "bf16", True)                # no compensation for bf16
@@ -142,7 +154,7 @@ def test_prefill_builds_with_wgmma_and_no_spills(recipe, head_dim, page_size, mm
     assert built and mpfa_jit.Store(jit_cache).check(uri) == "ok"
     lib = str(mpfa_jit.Store(jit_cache).library(uri))
     res = kernel_resources(lib)
-    for fn in ("prefill_kernel", "kv_pack_kernel", "q_mean_kernel"):
+    for fn in ("prefill_kernel", "kv_pack_kernel", "q_mean_kernel") + (("q_amax_kernel",) if recipe != "bf16" else ()):
         assert res[fn]["stack"] == 0 and res[fn]["local"] == 0 and res[fn]["spill_ops"] == 0, (fn, res[fn])
     check_params(ctypes.CDLL(lib), prefill_op.PARAMS_LAYOUT_SYMBOL, prefill_op.PrefillParams, spec.key)
     sass = subprocess.run([cuobjdump, "--dump-sass", lib], capture_output=True, text=True, env=tool_env)
@@ -178,7 +190,7 @@ def test_library_params_layout_matches_the_mirror(jit_cache):
 @pytest.mark.nvcc
 @pytest.mark.parametrize("knobs", [dict(persistent=1, poly_every=4, fac_vec=0), dict(pingpong=0, stages=4),
                                    dict(consumers=3, pingpong=0), dict(tile_scale=1, consumers=3, pingpong=0),
-                                   dict(tile_scale=1, comp_mma=1, consumers=3, pingpong=0), dict(tile_scale=1, comp_mma=1),
+                                   PER_KEY, dict(tile_scale=1, comp_mma=1),
                                    dict(stages=2, poly_every=16)])
 def test_study_knob_builds_compile_without_spills(knobs, jit_cache, kernel_resources):
     spec = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=knobs)
@@ -203,9 +215,11 @@ def test_prefill_variant_knobs_parse_and_render():
     base = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a")
     assert "constexpr int kPolyEvery = 4;" in op.spec(**base, knobs={"poly_every": 4}).render()
     assert "constexpr int kPolyEvery = 0;" in op.spec(**base).render()
-    # P's scale: the recipe's, or a power of two in the tile_scale build (its softmax relies on kLog2P = 8 exactly)
+    # P's scale: the recipe's, or a power of two in tile_scale builds, the served one (their softmax relies on
+    # kLog2P = 8 exactly)
     assert "constexpr float kLog2P = 8.0f;" in op.spec(**base, knobs={"tile_scale": 1}).render()
-    assert f"constexpr float kLog2P = {math.log2(448.0)!r}f;" in op.spec(**base).render()
+    assert "constexpr float kLog2P = 8.0f;" in op.spec(**base).render()
+    assert f"constexpr float kLog2P = {math.log2(448.0)!r}f;" in op.spec(**base, knobs=PER_KEY).render()
     with pytest.raises(ValueError, match="poly_every=3"):
         op.spec(**base, knobs={"poly_every": 3})
     with pytest.raises(ValueError, match="nope"):
@@ -242,5 +256,6 @@ def test_three_consumer_warpgroups_knob_renders_192_row_ctas_with_64_row_q_scale
     ctx = dict(s.context)
     assert (ctx["q_tile"], ctx["q_scale_rows"]) == (192, 64)
     from mpfa.recipes.int8 import Q_TILE as q_scale_rows
-    assert dict(prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH).context)["q_scale_rows"] == q_scale_rows
+    assert dict(prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH, knobs=PER_KEY).context)[
+        "q_scale_rows"] == q_scale_rows
     assert len(tile_schedule([400], [400], causal=True, q_tile=192)) == 3

@@ -1,5 +1,6 @@
 """The batch-prefill kernel (wgmma) on the GPU: every built recipe against the fp64 exact attention on
-the dequantized cache and against ``recipe_attention`` (the same Q/P quantization), over ragged batches
+the dequantized cache and against ``recipe_attention`` with the kernel build's numerics (the same Q/K/P
+quantization: mpfa_jit/ops/prefill.py numerics; the served 8-bit build's K tile scale), over ragged batches
 whose cached prefixes are not page-aligned and whose chunks cross page boundaries, permuted pages,
 GQA groups 1/3/4/5/8, outlier channels in Q (large mean) and K, NaN-poisoned outputs and NaN-poisoned
 cache slots past each request's length, causal and not, compensation on and off, LSE.
@@ -27,9 +28,10 @@ import pytest
 import torch
 
 import mpfa
-from mpfa.reference import gather_pages
-from mpfa.reference.attention import attention, recipe_attention
+from mpfa.reference import batch_attention, gather_pages
+from mpfa.reference.attention import attention
 from mpfa.recipes import RECIPES as RECIPE_TABLE
+from mpfa_jit.ops import prefill as prefill_op
 
 pytestmark = [pytest.mark.gpu]
 
@@ -52,16 +54,23 @@ def _make_batch(paged_batch, recipe, head_dim, page_size, num_kv_heads, requests
     return batch.layer, qo, batch.indptr, batch.indices, batch.last, batch.lengths
 
 
-def _references(q, qo, layer, indptr, indices, lengths, *, recipe, causal, compensation, sm_scale=None):
+def _references(q, qo, layer, indptr, indices, last, lengths, *, recipe, causal, compensation, sm_scale=None,
+                knobs=None):
+    """Per request: (exact fp64 attention on the dequantized cache, recipe_attention with the kernel build's numerics
+    (``knobs``: None the served build; mpfa_jit/ops/prefill.py numerics), each as (o, lse)."""
     kd, vd = layer.dequantize(dtype=torch.float64)
+    kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe, knobs))
+    if kw.get("k_tile"):
+        kw["k_operand_pages"] = layer.k_operand()
+    o, lse = batch_attention(q, qo, kd, vd, indptr, indices, last, causal=causal, sm_scale=sm_scale, recipe=recipe,
+                             compensation=compensation, **kw)
     exact, quant = [], []
     for b, n in enumerate(lengths):
         rows = slice(int(qo[b]), int(qo[b + 1]))
         ids = indices[int(indptr[b]):int(indptr[b + 1])]
-        kb, vb = gather_pages(kd, ids, n), gather_pages(vd, ids, n)
-        exact.append(attention(q[rows], kb, vb, causal=causal, sm_scale=sm_scale))
-        quant.append(recipe_attention(q[rows], kb, vb, recipe=recipe, causal=causal, sm_scale=sm_scale,
-                                      compensation=compensation))
+        exact.append(attention(q[rows], gather_pages(kd, ids, n), gather_pages(vd, ids, n), causal=causal,
+                               sm_scale=sm_scale))
+        quant.append((o[rows], lse[rows]))
     return exact, quant
 
 
@@ -110,7 +119,10 @@ def test_prefill_matches_references(recipe, head_dim, page_size, group, causal, 
     layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, head_dim, page_size, hkv, requests,
                                                             gen)
     q = bf16_rows(int(qo[-1]), hkv * group, head_dim, gen)
-    for compensation in ((True, False) if recipe != "bf16" else (True,)):
+    cases = [(q, True)]
+    if recipe != "bf16":   # and Q whose mean is ~10^4 times its spread: the compensation carries the scores
+        cases += [(q, False), (bf16_rows(int(qo[-1]), hkv * group, head_dim, gen, scale=1e-4), True)]
+    for q, compensation in cases:
         w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=causal, recipe=recipe,
                compensation=compensation)
@@ -119,9 +131,9 @@ def test_prefill_matches_references(recipe, head_dim, page_size, group, causal, 
         o, lse = w.run(q, layer, out=out, return_lse=True)
         assert o.data_ptr() == out.data_ptr()
         torch.cuda.synchronize()
-        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=causal,
+        exact, quant = _references(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=causal,
                                    compensation=compensation)
-        _check(o, lse, qo, exact, quant, f"compensation={compensation}")
+        _check(o, lse, qo, exact, quant, f"compensation={compensation} q spread {q[..., 0].float().std():.1e}")
 
 
 @pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
@@ -140,7 +152,7 @@ def test_compensation_helps_on_q_with_a_large_mean(recipe, paged_batch, shared_j
         w.plan(qo, indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, compensation=compensation)
         o = w.run(q, layer)
         torch.cuda.synchronize()
-        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
+        exact, quant = _references(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
                                    compensation=compensation)
         _check(o, None, qo, exact, quant, f"compensation={compensation}")
         errs[compensation] = sum(_rel_l2(o[int(qo[b]):int(qo[b + 1])], exact[b][0]) for b in range(len(lengths)))
@@ -158,7 +170,7 @@ def test_sm_scale_and_default_out(paged_batch, bf16_rows, shared_jit_cache):
         w.plan(qo, indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, sm_scale=0.03)
         o, lse = w.run(q, layer, return_lse=True)
         torch.cuda.synchronize()
-        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
+        exact, quant = _references(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
                                    compensation=True, sm_scale=0.03)
         _check(o, lse, qo, exact, quant, recipe)
 
@@ -179,74 +191,43 @@ def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
         w.plan(qo, indptr, idx, last, 8, 2, 128, 16, recipe="qk4pv8")
 
 
-def _tile_scaled_k(layer, recipe, ids, n, head_dim):
-    """A request's K ``[n, Hkv, D]`` as the ``tile_scale`` build scores it: each 128-key
-    tile's INT8 operand rows requantized to the tile's largest token scale (mpfa.recipes.int8.requantize_k_tile)."""
-    from mpfa.recipes.int8 import i4rs_to_int8, requantize_k_tile
-    from mpfa_jit.ops.prefill import KV_TILE
-    f = layer.fields
-    if recipe == "qk8pv8":
-        ints = f["k"]
-    else:
-        ints = i4rs_to_int8(f["k8"], f["k"], f["k_block_scale"][..., : head_dim // 32])
-    ints, scales = gather_pages(ints, ids, n).float(), gather_pages(f["k_scale"].unsqueeze(-1), ids, n)[..., 0]
-    out = torch.empty(ints.shape, dtype=torch.float64, device=ints.device)
-    for t0 in range(0, n, KV_TILE):
-        for h in range(ints.shape[1]):
-            q8, s_t = requantize_k_tile(ints[t0:t0 + KV_TILE, h], scales[t0:t0 + KV_TILE, h])
-            out[t0:t0 + KV_TILE, h] = q8.double() * s_t.double()
-    return out
+# Builds besides the served one (mpfa_jit/ops/prefill.py SERVED_KNOBS): {} is the template's defaults (per-key K
+# scales, two warpgroups in ping-pong: the build served before prefill v3); the others take one step each, up to
+# prefill v3's (three warpgroups, one K scale per tile, compensation as an MMA k-step).
+V3 = {"tile_scale": 1, "comp_mma": 1, "consumers": 3, "pingpong": 0}
+_BUILDS = {"qk8pv8": [{}, {"consumers": 3, "pingpong": 0}, {"tile_scale": 1},
+                      {"tile_scale": 1, "consumers": 3, "pingpong": 0}, {"tile_scale": 1, "comp_mma": 1}, V3],
+           "bf16": [{}, {"consumers": 3, "pingpong": 0, "stages": 2}]}
+_BUILDS["qk4pv8"] = _BUILDS["qk8pv8"]
+STUDY_CASES = [(r, k) for r, ks in _BUILDS.items() for k in ks if k != prefill_op.SERVED_KNOBS[r]]
 
 
-STUDY_BUILDS = [{"consumers": 3, "pingpong": 0}, {"tile_scale": 1}, {"tile_scale": 1, "consumers": 3, "pingpong": 0},
-                {"tile_scale": 1, "comp_mma": 1}, {"tile_scale": 1, "comp_mma": 1, "consumers": 3, "pingpong": 0}]
-
-
-@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+@pytest.mark.parametrize("recipe,knobs", STUDY_CASES,
+                         ids=[f"{r}-" + (",".join(f"{a}={b}" for a, b in k.items()) or "defaults") for r, k in STUDY_CASES])
 @pytest.mark.parametrize("head_dim,page_size", [(128, 16), (128, 1), (64, 16)])
-@pytest.mark.parametrize("knobs", STUDY_BUILDS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
 def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs, paged_batch, bf16_rows,
                                              shared_jit_cache):
-    """The prefill study builds (benchmarks/prefill_variants.py) against the same references as the served one:
-    three consumer warpgroups change only the schedule; tile_scale scores each K tile under one scale and
-    scales P by a power of two (its own reference: K requantized per tile, mpfa.recipes.fp8.P_SCALE_POW2).
-    tile_scale with compensation runs on the usual rows and on rows whose mean is ~10^4 times their spread
-    (the second Q: the compensation term carries nearly all of each score); comp_mma adds each key's term by
-    one more MMA k-step under one Q scale per head (its reference: recipe_attention(comp_digits=True)), the second
-    Q and the one-row requests under the scale floor that keeps every term within the digits."""
-    from benchmarks.prefill_variants import retile
-    from mpfa.prefill import bind
-    from mpfa_jit import get_kernel
-    from mpfa_jit.ops import prefill as prefill_op
+    """The prefill's other builds (plan(knobs=); benchmarks/prefill_variants.py) against the same references as the
+    served one, each with its own numerics: three consumer warpgroups change only the schedule; tile_scale scores
+    each K tile under one scale and scales P by a power of two; comp_mma adds each key's compensation term by one
+    more MMA k-step under one Q scale per head. With tile_scale a second Q whose mean is ~10^4 times its spread
+    (the compensation term carries nearly all of each score; comp_mma: the Q scale's floor)."""
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"study-{recipe}-{head_dim}-{page_size}-{knobs}".encode()))
     hkv, group = 2, 4
     requests = _requests(page_size)
     layer, qo, indptr, indices, last, lengths = _make_batch(paged_batch, recipe, head_dim, page_size, hkv, requests,
                                                             gen)
     q_usual = bf16_rows(int(qo[-1]), hkv * group, head_dim, gen)
-    fn = bind(get_kernel(prefill_op.spec(recipe=recipe, head_dim=head_dim, page_size=page_size, arch="sm_90a",
-                                         group_size=group, knobs=knobs)))
-    cases = [(q_usual, True), (q_usual, False)]
+    cases = [(q_usual, True)] + ([(q_usual, False)] if recipe != "bf16" else [])
     if knobs.get("tile_scale"):
         cases.append((bf16_rows(int(qo[-1]), hkv * group, head_dim, gen, scale=1e-4), True))
     for q, compensation in cases:
         w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=True, recipe=recipe,
-               compensation=compensation)
-        w._plan.kernel.fn = fn
-        retile(w, knobs)
+               compensation=compensation, knobs=knobs)
         out = torch.full_like(q, float("nan"))
         o, lse = w.run(q, layer, out=out, return_lse=True)
         torch.cuda.synchronize()
-        exact, quant = _references(q, qo, layer, indptr, indices, lengths, recipe=recipe, causal=True,
-                                   compensation=compensation)
-        if knobs.get("tile_scale"):
-            _, vd = layer.dequantize(dtype=torch.float64)
-            for b, n in enumerate(lengths):
-                rows = slice(int(qo[b]), int(qo[b + 1]))
-                ids = indices[int(indptr[b]):int(indptr[b + 1])]
-                quant[b] = recipe_attention(q[rows], _tile_scaled_k(layer, recipe, ids, n, head_dim),
-                                            gather_pages(vd, ids, n), recipe=recipe, causal=True,
-                                            compensation=compensation, p_scale=prefill_op.p_scale(knobs),
-                                            comp_digits=bool(knobs.get("comp_mma")))
+        exact, quant = _references(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
+                                   compensation=compensation, knobs=knobs)
         _check(o, lse, qo, exact, quant, f"{knobs} compensation={compensation} q spread {q[..., 0].float().std():.1e}")

@@ -139,14 +139,26 @@ def dequantize_k_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 
 def requantize_k_tile(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One K tile's INT8 operand rows ``q [keys, D]`` (INT8 K, or i4rs's INT8 image) under per-key scales
-    ``scale [keys]`` -> the same keys under the tile's largest scale s_T: ``(rni(q * (s_j / s_T)) int8, s_T)``
-    (the prefill's ``tile_scale`` study build; the ratio is <= 1, so no clamp). A NaN
-    scale makes s_T NaN (the tile's bytes are then unspecified); an all-zero tile keeps s_T = 0."""
+    """One K tile's INT8 operand rows ``q [..., keys, D]`` (INT8 K, or i4rs's INT8 image) under per-key scales
+    ``scale [..., keys]`` -> the same keys under the tile's largest scale s_T ``[...]``:
+    ``(rni(q * (s_j / s_T)) int8, s_T)`` (what the prefill's pre-pass writes in tile_scale builds, the 8-bit
+    recipes' served one; the ratio is <= 1, so no clamp). A NaN scale makes s_T NaN (the tile's bytes are then
+    unspecified); an all-zero tile keeps s_T = 0."""
     s = scale.float()
-    s_t = s.amax()   # propagates NaN
-    ratio = s / s_t if s_t > 0 else torch.zeros_like(s)
+    s_t = s.amax(dim=-1)   # propagates NaN
+    ratio = torch.where(s_t.unsqueeze(-1) > 0, s / s_t.unsqueeze(-1), torch.zeros_like(s))
     return rni(q.float() * ratio.unsqueeze(-1)).to(torch.int8), s_t
+
+
+def tile_scaled_k(q: torch.Tensor, scale: torch.Tensor, tile: int, dtype=torch.float32) -> torch.Tensor:
+    """A request's integer K ``q [m, H_kv, D]`` (INT8 MMA operand values) under per-token scales ``scale [m, H_kv]``,
+    requantized to one scale per ``tile`` consecutive keys (from the request's first) and head
+    (requantize_k_tile), dequantized in ``dtype``: K as a tile_scale prefill build scores it."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for t0 in range(0, q.shape[0], tile):
+        q8, s_t = requantize_k_tile(q[t0:t0 + tile].transpose(0, 1), scale[t0:t0 + tile].transpose(0, 1))
+        out[t0:t0 + tile] = (q8.to(dtype) * s_t.to(dtype)[:, None, None]).transpose(0, 1)
+    return out
 
 
 # Compensation as one more k-step of the INT8 QK MMA (the prefill study knob ``comp_mma``): a key's term in units

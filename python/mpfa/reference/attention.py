@@ -42,7 +42,8 @@ import torch
 
 from ..recipes import Recipe, get_recipe
 from ..recipes.fp8 import P_SCALE, quantize_e4m3
-from ..recipes.int8 import Q_TILE, comp_digits_q_scale, dequantize_q_per_tile, quantize_int, quantize_q_per_tile
+from ..recipes.int8 import (Q_TILE, comp_digits_q_scale, dequantize_q_per_tile, quantize_int, quantize_q_per_tile,
+                            tile_scaled_k)
 
 # Score elements per chunk of the reference, to bound its memory at long contexts.
 _CHUNK_ELEMS = 1 << 26
@@ -192,8 +193,9 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
     Quantized recipes: Q - mu_Q (mu_Q the mean of this request's rows per head, when
     ``compensation``) is quantized to INT8 with one scale per ``q_tile`` rows and head; the scores
     get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * p_scale) / p_scale``
-    (mpfa.recipes.fp8.P_SCALE; the prefill study build tile_scale takes P_SCALE_POW2). ``comp_digits`` (the
-    study build comp_mma, with compensation): one Q scale per head, mpfa.recipes.int8.comp_digits_q_scale. The bf16
+    (mpfa.recipes.fp8.P_SCALE; prefill builds with tile_scale, the 8-bit recipes' served one, take P_SCALE_POW2).
+    ``comp_digits`` (comp_mma builds, with compensation): one Q scale per head, mpfa.recipes.int8.comp_digits_q_scale;
+    the keys' terms are added in ``dtype`` (the kernel rounds them to whole units of the QK product). The bf16
     recipe rounds P to bf16 before the PV product, as its kernel does. Non-finite inputs: module docstring.
     """
     recipe = get_recipe(recipe)
@@ -261,12 +263,20 @@ def request_kv_lengths(paged_kv_indptr, paged_kv_last_page_len, page_size: int) 
 
 def batch_attention(q, qo_indptr, k_pages, v_pages, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                     *, causal: bool, sm_scale: float | None = None, recipe: "str | Recipe | None" = None,
-                    compensation: bool = True, q_tile: int = Q_TILE, dtype=torch.float64):
+                    compensation: bool = True, q_tile: int = Q_TILE, p_scale: float = P_SCALE,
+                    comp_digits: bool = False, k_tile: int | None = None, k_operand_pages=None,
+                    dtype=torch.float64):
     """Ragged batch over a paged cache. ``k_pages``/``v_pages`` are dequantized ``[pages, H_kv, P, D]``.
 
-    ``recipe=None`` gives exact attention; a recipe adds its Q/P quantization (:func:`recipe_attention`).
+    ``recipe=None`` gives exact attention; a recipe adds its Q/P quantization (:func:`recipe_attention`, with
+    ``q_tile``, ``p_scale`` and ``comp_digits``). ``k_tile`` (a recipe with INT8 K): keys under one scale per
+    ``k_tile`` keys of each request, as a tile_scale prefill build scores them: ``k_operand_pages`` = (INT8 rows
+    ``[pages, H_kv, P, D]``, per-token scales ``[pages, H_kv, P]``) (mpfa.KVCacheLayer.k_operand) requantized per
+    tile (mpfa.recipes.int8.tile_scaled_k) stand in for ``k_pages``.
     Returns (o ``[total_q, H, D]``, lse ``[total_q, H]``) in ``dtype``.
     """
+    if k_tile is not None and (recipe is None or k_operand_pages is None):
+        raise ValueError("batch_attention: k_tile needs a recipe and k_operand_pages (INT8 K rows and their scales)")
     page_size = k_pages.shape[2]
     lengths = request_kv_lengths(paged_kv_indptr, paged_kv_last_page_len, page_size)
     qo = qo_indptr.tolist()
@@ -278,11 +288,16 @@ def batch_attention(q, qo_indptr, k_pages, v_pages, paged_kv_indptr, paged_kv_in
         if rows.stop == rows.start:
             continue
         ids = paged_kv_indices[kv[b]:kv[b + 1]]
-        kb = gather_pages(k_pages, ids, m).to(q.device)
+        if k_tile is None:
+            kb = gather_pages(k_pages, ids, m).to(q.device)
+        else:
+            ints, scales = (gather_pages(x, ids, m).to(q.device) for x in k_operand_pages)
+            kb = tile_scaled_k(ints, scales, k_tile, dtype)
         vb = gather_pages(v_pages, ids, m).to(q.device)
         if recipe is None:
             o[rows], lse[rows] = attention(q[rows], kb, vb, causal=causal, sm_scale=sm_scale, dtype=dtype)
         else:
             o[rows], lse[rows] = recipe_attention(q[rows], kb, vb, recipe=recipe, causal=causal, sm_scale=sm_scale,
-                                                  compensation=compensation, q_tile=q_tile, dtype=dtype)
+                                                  compensation=compensation, q_tile=q_tile, p_scale=p_scale,
+                                                  comp_digits=comp_digits, dtype=dtype)
     return o, lse

@@ -6,7 +6,7 @@
 //   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
 //   fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * sm_scale * log2 e (Kint_j the INT8 row), at fac_pos(j); zeros
 //   past the request's length. kTileScale builds: the tile's largest token scale s_T in place of every
-//   k_scale_j, and Kint_j requantized to it; kCompMma launches with compensation: also the digits of
+//   k_scale_j, and Kint_j requantized to it; kCompMma launches with compensation: instead of fb, the digits of
 //   (mu_Q[hq] . Kint_j) / sq (sq the request's Q scale of head hq, kernel_traits.cuh head_q_scale) per (tile, query
 //   head).
 // Why images: the 4-bit K -> INT8 expansion and the V transpose run once per (key, KV head) instead of
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
   if constexpr (kQuant) {
     if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = (uniform ? tile_scale : ks[tid]) * p.score_scale;
     // Compensation: fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * score_scale for the group's heads.
-    if (p.fb != nullptr) {
+    if (p.fb != nullptr || comp_digits(p)) {
       const int key = tid % kBN;
       const int group = p.num_qo_heads / p.num_kv_heads;
       const uint8_t* krow = st + kPackOffK + key * kStRow;

@@ -25,8 +25,8 @@ struct SoftmaxRows {
   float base[2];    // what the current tile's exp2 subtracts
   // kTileScale: a = the tile's one scale times sq. Without compensation (raw) the scores stay the MMA's integers
   // S through the row maxima T, then become x = kRoundMagic + (S - T) (exact) and exp2 takes fma(x, a, c[h]).
-  // kCompMma launches with compensation (kernel_traits.cuh comp_digits): the MMA added each key's term to S
-  // (mainloop.cuh issue_qk), and the tile is raw too.
+  // kCompMma builds: with compensation the MMA added each key's term to S (mainloop.cuh issue_qk), so every tile
+  // is raw.
   bool raw;
   float a, c[2];
   __device__ __forceinline__ bool raw_tile() const { return kQuant && kTileScale && raw; }
@@ -149,7 +149,7 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
     // takes the smallest normal instead: masked -inf must stay -inf (-inf * 0 is NaN).
     const float a = fa[0] * sq;
     st.a = __uint_as_float(__float_as_uint(a == 0.f ? __int_as_float(0x00800000) : a) & ~3u);
-    st.raw = p.fb == nullptr || comp_digits(p);
+    st.raw = kCompMma || p.fb == nullptr;   // comp_mma: the MMA added each key's term, or there is none
     if (st.raw_tile()) {
       softmax_max_raw(p, sc, st, corr, need_mask, key0, mr);
       return;
