@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ _counter = itertools.count()
 _DIRS = ("lib", "tmp", "locks", "failed")
 _FILES = ("builds.log", "compiler.json")
 _OWN_NAMES = frozenset(_DIRS + _FILES + (env.CACHE_MARKER,))
+# The temp files the cache's writers rename into place (compiler.json, the marker): <name>.<pid>.<thread>.tmp
+_OWN_TEMP = re.compile(r"^(compiler|" + re.escape(env.CACHE_MARKER) + r")\.\d+\.\d+\.tmp$")
 _BUILD_DIR = re.compile(r"^(?P<uri>.+)\.(?P<pid>\d+)\.(?P<n>\d+)$")   # tmp/<uri>.<pid>.<n>
 
 
@@ -168,7 +171,7 @@ class Store:
             return "foreign"
         if not names:
             return "empty"
-        if not names <= _OWN_NAMES:
+        if any(n not in _OWN_NAMES and not _OWN_TEMP.match(n) for n in names):
             return "foreign"
         if self.lib_dir.is_dir() and any((d / "manifest.json").is_file() for d in self.lib_dir.iterdir()):
             return "legacy"
@@ -187,12 +190,16 @@ class Store:
 
     def _mark(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        try:   # O_EXCL: of several processes creating the cache at once, one writes the marker
-            fd = os.open(self.root / env.CACHE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # The marker appears whole or not at all (written aside, then hard-linked: of several threads or processes
+        # creating the cache at once, one link succeeds), so no one reads it empty and takes the folder for foreign.
+        tmp = self.root / f"{env.CACHE_MARKER}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(env.CACHE_MARKER_TEXT)
+        try:
+            os.link(tmp, self.root / env.CACHE_MARKER)
         except FileExistsError:
-            return
-        with os.fdopen(fd, "w") as f:
-            f.write(env.CACHE_MARKER_TEXT)
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def ensure(self) -> None:
         """Make the folder a cache (marker and sub-folders); refuses a folder that holds other things."""

@@ -62,6 +62,38 @@ def test_the_store_refuses_to_build_into_a_folder_of_other_things(home_local):
     assert not (home_local / env.CACHE_MARKER).exists() and not (home_local / "tmp").exists()
 
 
+def test_threads_creating_one_cache_at_once_all_build_into_it(tmp_path, monkeypatch):
+    """A parallel warmup into a fresh folder: the marker must never be seen empty, nor the writers' temp files
+    (compiler.json's, the marker's) taken for foreign files (seen on the H200: 2 of 59 builds refused)."""
+    import threading
+    root = tmp_path / "fresh"
+    errors, start = [], threading.Barrier(16)
+
+    def one():
+        start.wait()
+        try:
+            Store(root).ensure()
+            (root / f"compiler.{os.getpid()}.{threading.get_ident()}.tmp").write_text("{}")   # as env._compiler_id
+            Store(root).ensure()
+        except Exception as e:   # noqa: BLE001 - any failure is the test's finding
+            errors.append(e)
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert (root / env.CACHE_MARKER).read_text() == env.CACHE_MARKER_TEXT and Store(root).state() == "cache"
+    assert not list(root.glob(f"{env.CACHE_MARKER}.*.tmp"))
+    # an unmarked folder holding only the cache's names and such temp files is a cache being created, not foreign
+    other = tmp_path / "creating"
+    _write(other / "compiler.12.34.tmp", b"{}")
+    _write(other / f"{env.CACHE_MARKER}.12.34.tmp", b"")
+    assert Store(other).state() == "unmarked"
+    _write(other / "compiler.x.tmp", b"{}")
+    assert Store(other).state() == "foreign"
+
+
 @pytest.mark.parametrize("args", [[], ["nope"], ["clear", "extra"], ["--bogus", "size"]])
 def test_bad_usage_is_one_line_and_exit_2(tmp_path, args):
     r = _cli(*args, root=tmp_path / "cache")
