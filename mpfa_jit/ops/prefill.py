@@ -32,14 +32,16 @@ MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # Knobs of the template and the values each accepts; a knob left out takes the template's default. The served
 # builds set SERVED_KNOBS; the others are study variants (benchmarks/prefill_variants.py, benchmarks/NOTES.md).
 KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1)}
-# The served build of each recipe. The 8-bit recipes: three consumer warpgroups of 64 rows in order (QK ->
-# softmax -> PV -> fold), one K scale per 128-key tile (the pre-pass requantizes each K tile image to its largest
-# token scale) so the softmax is FlashAttention-3's, and the compensation term as one more INT8 k-step of the QK
-# MMA (one Q scale per request and head). bf16: two warpgroups in ping-pong.
+         "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": (0, 1)}
+# The served build of each recipe (benchmarks/NOTES.md, prefill v3). All run three consumer warpgroups of 64 rows,
+# each tile's steps in order (QK -> softmax -> PV -> fold). qk4pv8 adds one K scale per 128-key tile (the pre-pass
+# requantizes each K tile image to its largest token scale) so that the softmax is FlashAttention-3's, the
+# compensation term as one more INT8 k-step of the QK MMA (one Q scale per request and head), both PV column
+# parts before one wait, and 2 stages. qk8pv8 keeps per-key K scales and 64-row Q scales: the tile scale cost
+# it 29% in KL (its INT8 K loses more to requantization than qk4pv8's 4-bit K). bf16: 2 stages (3 do not fit).
 SERVED_KNOBS = {"bf16": {"consumers": 3, "pingpong": 0, "stages": 2},
                 "qk8pv8": {"consumers": 3, "pingpong": 0},
-                "qk4pv8": {"consumers": 3, "pingpong": 0, "tile_scale": 1, "comp_mma": 1}}
+                "qk4pv8": {"consumers": 3, "pingpong": 0, "tile_scale": 1, "comp_mma": 1, "pv_once": 1, "stages": 2}}
 
 
 def build_knobs(recipe: str, knobs: dict | None = None) -> dict:

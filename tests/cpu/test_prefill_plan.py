@@ -49,7 +49,8 @@ def test_render_context_carries_the_tile_sizes_and_cache_layout():
     assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0, "cd": 0}
     assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # comp_mma's digit image
     # the served knobs join the key; the context does not
-    assert s.key == "prefill_comp_mma-1_consumers-3_head_dim-64_page_size-16_pingpong-0_recipe-qk4pv8_tile_scale-1_sm_90a"
+    assert s.key == ("prefill_comp_mma-1_consumers-3_head_dim-64_page_size-16_pingpong-0_pv_once-1_recipe-qk4pv8_stages-2_"
+                     "tile_scale-1_sm_90a")
 
 
 def test_params_mirror_is_naturally_aligned():

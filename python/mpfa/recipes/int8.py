@@ -161,7 +161,7 @@ def tile_scaled_k(q: torch.Tensor, scale: torch.Tensor, tile: int, dtype=torch.f
     return out
 
 
-# Compensation as one more k-step of the INT8 QK MMA (the prefill study knob ``comp_mma``): a key's term in units
+# Compensation as one more k-step of the INT8 QK MMA (prefill builds with ``comp_mma``, qk4pv8's served one): a key's term in units
 # of the QK product, C_j = rni((mu_Q . Kint_j) / sq) (sq one Q scale per request and head), is carried by
 # COMP_DIGITS INT8 digits e against the fixed Q-side weights COMP_DIGIT_WEIGHTS, C = e_0 + 127 * (e_1 + ... + e_31);
 # |C| <= COMP_DIGIT_LIMIT fits (63 + 127 * (30 * 127 + 126)). |C| <= 127 |mu_Q|_1 / sq, so the head's Q scale is

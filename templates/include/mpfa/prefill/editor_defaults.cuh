@@ -23,6 +23,7 @@ constexpr int kPolyEvery = 0;
 constexpr bool kPersistent = 0;
 constexpr bool kTileScale = 0;
 constexpr bool kCompMma = 0;
+constexpr bool kPvOnce = 0;
 constexpr float kCompScaleDivisor = 499435.0625f;
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Tile sizes, the tile images' byte layout and the main kernel's shared-memory layout, derived from the
 // specialization constants prefill.cu.jinja defines before including this header: kRecipe, kHeadDim,
-// kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows, kLog2P (mpfa_jit/ops/prefill.py) and the study knobs
-// kFacVec, kStages, kPingPong, kPolyEvery, kPersistent, kTileScale, kCompMma (benchmarks/prefill_variants.py).
+// kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows, kLog2P (mpfa_jit/ops/prefill.py) and the knobs
+// kFacVec, kStages, kPingPong, kPolyEvery, kPersistent, kTileScale, kCompMma, kPvOnce (mpfa_jit/ops/prefill.py).
 #pragma once
 #include <cstdint>
 #include <math_constants.h>
@@ -45,7 +45,7 @@ constexpr int kVRow = Layout::v_bytes;
 constexpr int kImgK = kBN * kQKRow;
 constexpr int kImgV = kHeadDim * kVtRow;
 constexpr int kFac = kQuant ? kBN * 4 : 0;          // one per-key factor vector (quantized recipes only)
-// Study knob kCompMma (with kTileScale): compensation as one more k-step of the QK MMA, INT8 digits of each key's
+// kCompMma (with kTileScale): compensation as one more k-step of the QK MMA, INT8 digits of each key's
 // term against fixed Q-side weights (python/mpfa/recipes/int8.py compensation_digits): per (KV tile, query head) a
 // digit image of kBN rows x kCdRow bytes (32-byte swizzle), and 64 identical rows of weights in shared memory.
 constexpr int kCdRow = 32;

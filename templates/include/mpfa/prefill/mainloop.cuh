@@ -190,11 +190,20 @@ __device__ __forceinline__ void mainloop_serial(const KernelParams& p, const Rin
     softmax_max(p, sc, st, corr, smem, (g0 + t) % kStages, t * kBN, mr, sq);
     softmax_exp(sc, st);
     pack_p(sc, pa);
-#pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      issue_pv(ring, g0 + t, part, pa, o_part, o_acc, corr);
+    if constexpr (kPvOnce && kParts == 2) {
+      float o_part1[kQuant ? kPartRegs : 1];   // o_part's type: the branch is compiled (not a template) for bf16 too
+      issue_pv(ring, g0 + t, 0, pa, o_part, o_acc, corr);
+      issue_pv(ring, g0 + t, 1, pa, o_part1, o_acc, corr);
       mpfa::wg::wait<0>();
-      fold_pv(part, o_part, o_acc, corr);
+      fold_pv(0, o_part, o_acc, corr);
+      fold_pv(1, o_part1, o_acc, corr);
+    } else {
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        issue_pv(ring, g0 + t, part, pa, o_part, o_acc, corr);
+        mpfa::wg::wait<0>();
+        fold_pv(part, o_part, o_acc, corr);
+      }
     }
     release(ring, g0 + t);
   }

@@ -3,7 +3,7 @@
 //   q_sum_kernel, grid (row blocks, batch): sums kMuRows rows of all heads (16-byte loads along the
 //     contiguous [Hq, D] row) into part[block, b, Hq, D];
 //   q_mean_kernel, grid (batch, Hq): adds the blocks in a fixed order (the result does not depend on the grid).
-// The comp_mma study build (p.q_head) also needs one INT8 Q scale per (request, head): q_mean_kernel writes
+// comp_mma builds (p.q_head; qk4pv8's served one) also need one INT8 Q scale per (request, head): q_mean_kernel writes
 // |mu_Q|_1 and zeroes the amax, then q_amax_kernel, grid (row blocks, batch), takes the amax of Q - mu_Q.
 #pragma once
 #include <cuda_bf16.h>
