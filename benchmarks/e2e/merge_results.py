@@ -4,8 +4,9 @@
 
 Each queue (``benchmarks/e2e/queue.sh``, one GPU each) starts from a copy of the committed file and ends
 with it plus its own rows. A row of a queue file that the committed file does not hold, byte for byte, is
-that queue's measurement: it replaces the committed row of the same configuration and length
-(``benchmarks.e2e.results.merge_rows``), and the queue's calls join ``meta.calls`` so each row keeps its command.
+that queue's measurement: it replaces the committed row of the same configuration and length, or of the
+same configuration's mixed workload (its ``group``, ``benchmarks.e2e.results.merge_rows``), and the queue's
+calls join ``meta.calls`` so each row keeps its command.
 The files are taken in the order given; a later file's row wins over an earlier one's of the same key.
 """
 

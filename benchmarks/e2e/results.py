@@ -123,34 +123,49 @@ def _label(model: str, *parts) -> str:
     return "/".join(str(p) for p in (parts if model == "llama-3.1-8b" else (model, *parts)))
 
 
+HEADLINE = "mpfa-qk4pv8"   # the recipe whose ratios over SGLang + FlashInfer the summary reports
+
+
+def _throughput_rows(rows: list[dict], workload: str) -> list[dict]:
+    """The throughput rows of ``workload`` that measured something, at TP 1 (rows from before
+    ``--workload`` existed are fixed-length ones)."""
+    return [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1
+            and r.get("output_throughput") and r.get("workload", "fixed") == workload]
+
+
+def _headline_over(measured: dict[tuple, dict], field: str, peer: str) -> dict[tuple, float]:
+    """{place: HEADLINE's ``field`` / ``peer``'s} for each place (a key of ``measured`` less its last item,
+    the configuration) where both rows have the field; missing rows or fields leave the place out."""
+    out = {}
+    for key in sorted(measured):
+        *place, config = key
+        r, other = measured[key], measured.get((*place, peer))
+        if config == HEADLINE and other and r.get(field) and other.get(field):
+            out[tuple(place)] = r[field] / other[field]
+    return out
+
+
 def _throughput_summary(rows: list[dict]) -> dict:
     """Output-throughput ratios of mpfa qk4pv8 over SGLang + FlashInfer (BF16 and FP8 KV) per model and
-    input length (TP 1), their geometric means for Llama-3.1-8B, TTFT at concurrency 1, soak and TP checks."""
-    tput = {}
-    for r in rows:
-        if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1 and r.get("output_throughput"):
-            tput[(r["model"], r["input_len"], r["config"])] = r
+    input length (TP 1), their geometric means for Llama-3.1-8B, TTFT and ITL at concurrency 1, the mixed
+    workload's ratios, soak and TP checks."""
+    tput = {(r["model"], r["input_len"], r["config"]): r for r in _throughput_rows(rows, "fixed")}
     out: dict = {}
     for peer, key in (("flashinfer-bf16", "output_throughput_ratio_vs_flashinfer_bf16"),
                       ("flashinfer-fp8", "output_throughput_ratio_vs_flashinfer_fp8")):
-        ratios = {}
-        for (model, length, config), r in sorted(tput.items()):
-            other = tput.get((model, length, peer))
-            if config == "mpfa-qk4pv8" and other:
-                ratios[_label(model, length)] = r["output_throughput"] / other["output_throughput"]
+        ratios = {_label(*place): v for place, v in _headline_over(tput, "output_throughput", peer).items()}
         if ratios:
             out[key] = ratios
             llama = [v for k, v in ratios.items() if "/" not in k]
             if llama:
                 out[key + "_geomean"] = geomean(llama)
-    ttft = {}
-    for (model, length, config), r in sorted(tput.items()):
-        other = tput.get((model, length, "flashinfer-bf16"))
-        if config == "mpfa-qk4pv8" and other and r.get("ttft_concurrency1_s") and other.get("ttft_concurrency1_s"):
-            ttft[_label(model, length)] = (
-                r["ttft_concurrency1_s"] / other["ttft_concurrency1_s"])
-    if ttft:
-        out["ttft_concurrency1_ratio_vs_flashinfer_bf16"] = ttft
+    # a lone request's latencies: TTFT is its prefill, the ITL (mean: its whole decode over its tokens) its decode
+    for field, key in (("ttft_concurrency1_s", "ttft_concurrency1_ratio_vs_flashinfer_bf16"),
+                       ("itl_concurrency1_mean_ms", "itl_concurrency1_ratio_vs_flashinfer_bf16")):
+        ratios = {_label(*place): v for place, v in _headline_over(tput, field, "flashinfer-bf16").items()}
+        if ratios:
+            out[key] = ratios
+    out.update(_mixed_summary(rows))
     # Where a run's wall time goes: SGLang runs prefill chunks and decode batches in turn, and N requests'
     # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes").
     split = {}
@@ -177,6 +192,20 @@ def _throughput_summary(rows: list[dict]) -> dict:
         out["tp2_vs_tp1_mean_logprob_diff"] = drift
         if all("flashinfer_tp2_vs_tp1_token_agreement" in r for r in tp):
             out["tp2_tp1_token_agreement_flashinfer"] = min(r["flashinfer_tp2_vs_tp1_token_agreement"] for r in tp)
+    return out
+
+
+def _mixed_summary(rows: list[dict]) -> dict:
+    """The mixed workload's ratios of mpfa qk4pv8 over SGLang + FlashInfer BF16, per model: output
+    throughput, TTFT p50 (all requests) and ITL p50."""
+    mixed = {(r["model"], r["config"]): r for r in _throughput_rows(rows, "mixed")}
+    out = {}
+    for field, key in (("output_throughput", "mixed_output_throughput_ratio_vs_flashinfer_bf16"),
+                       ("ttft_p50_s", "mixed_ttft_p50_ratio_vs_flashinfer_bf16"),
+                       ("itl_p50_ms", "mixed_itl_p50_ratio_vs_flashinfer_bf16")):
+        ratios = {model: v for (model,), v in _headline_over(mixed, field, "flashinfer-bf16").items()}
+        if ratios:
+            out[key] = ratios
     return out
 
 
@@ -210,9 +239,10 @@ def with_calls(meta: dict, previous_meta: dict) -> dict:
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-    """Output throughput per input length and configuration (the throughput rows, TP 1), one plot per model
-    in one figure's groups: ``<model> <length>``."""
-    ok = [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1]
+    """Output throughput per input length and configuration (the fixed-length throughput rows, TP 1), one
+    plot per model in one figure's groups: ``<model> <length>``."""
+    ok = [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1
+          and r.get("workload", "fixed") == "fixed"]   # a mixed row has no one input length to stand at
     if not ok:
         return []
     from benchmarks import plots

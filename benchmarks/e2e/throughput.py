@@ -1,6 +1,7 @@
 """SGLang end to end at long context: throughput of ``--attention-backend mpfa`` against FlashInfer.
 
     python -m benchmarks.e2e.throughput --input-len 32768 [--model llama-3.1-8b] [--configs ...] [--requests N]
+    python -m benchmarks.e2e.throughput --workload mixed [--output-len 1024] [--configs ...] [--requests N]
     python -m benchmarks.e2e.throughput --soak [--soak-requests 200]     # mixed lengths, cancellations
     python -m benchmarks.e2e.throughput --tp-check                        # TP=2 vs TP=1 (2 GPUs, saved model)
 
@@ -10,22 +11,32 @@ same input_ids: ``flashinfer-bf16`` and ``flashinfer-fp8`` (``--kv-cache-dtype f
 own FlashInfer backend, ``mpfa-<recipe>`` ours. A streaming client sends every request at once (or at most
 ``--concurrency``) with ``ignore_eos`` and records, per configuration: output and total throughput (tokens
 per second of wall time from the first request sent to the last token received), time to first token and
-inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors. With
-``--ttft-probe`` (default on) one more request runs alone afterwards: TTFT at concurrency 1.
+inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors. Unless
+``--no-ttft-probe``, one more request then runs alone, generating ``--output-len`` tokens (at least 128):
+TTFT and inter-token latency (mean, p50, p99) at concurrency 1.
+
+``--workload fixed`` (the default) sends prompts of exactly ``--input-len`` tokens. ``--workload mixed`` sends
+short and long prompts together, as a long-context server sees them (``MIXED_LENGTHS``: one in five of 32K
+tokens up to the model's positions less ``--output-len``, the rest 1K-8K; seeded, the same every run); its
+rows (``workload: "mixed"``, group ``<model>/mixed/...``) add TTFT of the short and the long prompts apart,
+and it has no concurrency-1 probe (no one input length for it to stand for).
 
 Input lengths are exact token counts; input + output must fit the model's positions, so "128K" with 1,024
 output tokens is ``--input-len 130048`` for Llama-3.1-8B (131,072 positions).
 
-``--requests auto`` sends enough requests to fill the largest pool of all configurations twice (from
-``max_total_num_tokens`` rows already in the results file, else from the recipes' bytes per token).
+``--requests auto`` sends enough requests to fill the largest pool of all configurations twice (``--fills``;
+from ``max_total_num_tokens`` rows already in the results file, else from the recipes' bytes per token),
+counting prompt + output tokens of every request (the mixed list: whole blocks of five).
 Queues of configurations can share a host, one GPU each (``CUDA_VISIBLE_DEVICES``, ``--port``, see
 ``benchmarks/e2e/queue.sh``); ``python -m benchmarks.e2e.merge_results`` folds their files into one.
 Rows go to ``benchmarks/results/e2e_sglang_h200.json`` (part ``throughput`` / ``soak`` / ``tp``), replacing
-earlier rows of the same configuration and length; the summary is ``benchmarks.e2e.results``'.
+earlier rows of the same configuration and length (or workload); the summary is ``benchmarks.e2e.results``'.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import math
 import os
@@ -33,7 +44,9 @@ import random
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from benchmarks import meta as bench_meta
 from benchmarks import results_io
@@ -49,6 +62,29 @@ MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
 BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256,
                              **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in RECIPES}}
 PORT = 30611
+WORKLOADS = ("fixed", "mixed")   # --workload: every prompt --input-len tokens, or MIXED_LENGTHS
+PROBE_MIN_OUTPUT = 128           # tokens the concurrency-1 probe generates at least: its ITL averages this many gaps
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Prompt lengths of ``--workload mixed``: the requests come in blocks of ``block``, ``long_per_block``
+    of them long (at seeded places in the block), the rest short; each length log-uniform within its class.
+    Long prompts run from ``long_min`` to the model's positions less the output tokens."""
+    short_min: int
+    short_max: int
+    long_min: int
+    block: int
+    long_per_block: int
+
+
+# A long-context server's traffic: mostly chat and retrieval turns of a few thousand tokens, with a minority
+# of whole-document prompts up to the context limit. One long prompt in every five requests keeps both kinds
+# in flight together (long prompts' prefill chunks run between short requests' decode steps: what a short
+# request's TTFT and ITL suffer from), whole blocks keep that share exact at any request count, and
+# log-uniform draws spread each class over its range instead of piling it at the top.
+MIXED_LENGTHS = LengthMix(short_min=1024, short_max=8192, long_min=32768, block=5, long_per_block=1)
+MIXED_SEED = 0
 
 
 def server_argv(config: str, model: str, *, context_length: int, mem_fraction: float, tp: int, port: int,
@@ -68,15 +104,68 @@ def server_argv(config: str, model: str, *, context_length: int, mem_fraction: f
     return argv, env
 
 
-def make_inputs(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """The same random token ids for every configuration (dummy weights: any ids are valid input)."""
+def inputs_of_lengths(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
+    """One prompt of random token ids per length, the same for every configuration (dummy weights: any ids
+    are valid input)."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
+
+
+def make_inputs(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens (inputs_of_lengths)."""
+    return inputs_of_lengths([length] * n, vocab, seed)
 
 
 def requests_to_fill(pool_tokens: dict[str, int], configs, input_len: int, output_len: int, fills: float = 2.0) -> int:
     largest = max(pool_tokens[c] for c in configs)
     return max(1, math.ceil(fills * largest / (input_len + output_len)))
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return min(hi, max(lo, int(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+
+
+def mixed_length_stream(long_max: int, mix: LengthMix = MIXED_LENGTHS, seed: int = MIXED_SEED) -> Iterator[int]:
+    """The mixed workload's prompt lengths, block after block, without end: the first n are the lengths of
+    n requests, so a longer run sends a shorter run's prompts and more. The draws do not depend on
+    ``long_max`` (only the long lengths' range does): models of different limits get the same short prompts."""
+    if long_max < mix.long_min:
+        raise ValueError(f"long prompts need at least {mix.long_min} tokens, the model leaves {long_max}")
+    rng = random.Random(seed)
+    while True:
+        long_places = set(rng.sample(range(mix.block), mix.long_per_block))
+        for i in range(mix.block):
+            lo, hi = (mix.long_min, long_max) if i in long_places else (mix.short_min, mix.short_max)
+            yield _log_uniform(rng, lo, hi)
+
+
+def mixed_prompt_lengths(n: int, long_max: int, mix: LengthMix = MIXED_LENGTHS) -> list[int]:
+    """The prompt lengths of ``n`` mixed requests (mixed_length_stream)."""
+    return list(itertools.islice(mixed_length_stream(long_max, mix), n))
+
+
+def mixed_requests_to_fill(pool_tokens: dict[str, int], configs, long_max: int, output_len: int,
+                           fills: float = 2.0, mix: LengthMix = MIXED_LENGTHS) -> int:
+    """The fewest whole blocks of mixed requests whose prompt and output tokens fill the largest pool of
+    ``configs`` ``fills`` times (requests_to_fill's rule, over the mixed list's own lengths)."""
+    target = fills * max(pool_tokens[c] for c in configs)
+    total = 0
+    for n, length in enumerate(mixed_length_stream(long_max, mix), 1):
+        total += length + output_len
+        if total >= target and n % mix.block == 0:
+            return n
+    raise AssertionError("mixed_length_stream never ends")
+
+
+def server_context_length(longest_prompt: int, longest_output: int, max_pos: int) -> int:
+    """--context-length of the servers: the longest request and a margin, at least 4096, at most the model's."""
+    return min(max_pos, max(longest_prompt + longest_output + 64, 4096))
+
+
+def probe_output_len(input_len: int, output_len: int, max_pos: int) -> int:
+    """Output tokens of the concurrency-1 probe: the run's, or PROBE_MIN_OUTPUT where that is more (a
+    stable ITL), within the model's positions."""
+    return min(max(output_len, PROBE_MIN_OUTPUT), max_pos - input_len)
 
 
 def model_config(model: str) -> dict:
@@ -129,23 +218,50 @@ def percentile(values, q):
     return p(values, q) if values else None
 
 
-def summarize_run(results, wall_s: float, input_len: int) -> dict:
+def mean_p50_p99(values) -> dict[str, float | None]:
+    """{"mean", "p50", "p99"} of ``values`` (None each when there are none)."""
+    return {"mean": sum(values) / len(values) if values else None, "p50": percentile(values, 50),
+            "p99": percentile(values, 99)}
+
+
+def ttft_stats_s(results) -> dict[str, float | None]:
+    """Time to first token of the requests that got one, in seconds (mean_p50_p99)."""
+    return mean_p50_p99([r.ttft for r in results if r.ttft is not None])
+
+
+def itl_stats_ms(results) -> dict[str, float | None]:
+    """Inter-token latency over every streamed token of ``results``, in ms (mean_p50_p99 of StreamResult.itls)."""
+    return mean_p50_p99([1e3 * x for r in results for x in r.itls()])
+
+
+def named(prefix: str, stats: dict, unit: str) -> dict:
+    """Row fields of ``stats``: ``{prefix}_{stat}_{unit}``, e.g. itl_p99_ms."""
+    return {f"{prefix}_{k}_{unit}": v for k, v in stats.items()}
+
+
+def summarize_run(results, wall_s: float, input_lens) -> dict:
+    """The load's row fields; ``input_lens`` are the requests' prompt lengths, in the order of ``results``."""
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_tokens for r in ok)
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [x for r in ok for x in r.itls()]
+    in_tokens = sum(n for r, n in zip(results, input_lens, strict=True) if r.error is None)
     return {
         "requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if r.error), None),
         "output_tokens": out_tokens, "wall_s": wall_s,
         "output_throughput": out_tokens / wall_s if wall_s > 0 else None,
-        "total_throughput": (out_tokens + input_len * len(ok)) / wall_s if wall_s > 0 else None,
-        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None, "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "itl_mean_ms": 1e3 * sum(itls) / len(itls) if itls else None,
-        "itl_p50_ms": 1e3 * percentile(itls, 50) if itls else None,
-        "itl_p99_ms": 1e3 * percentile(itls, 99) if itls else None,
+        "total_throughput": (out_tokens + in_tokens) / wall_s if wall_s > 0 else None,
+        **named("ttft", ttft_stats_s(ok), "s"), **named("itl", itl_stats_ms(ok), "ms"),
     }
+
+
+def ttft_by_length_class(results, input_lens, long_min: int = MIXED_LENGTHS.long_min) -> dict:
+    """TTFT of the short and the long prompts apart (ttft_short_p50_s, ...): a short request's first token
+    waits behind long prompts' prefill, which one TTFT over both would hide."""
+    out = {}
+    for name, is_class in (("short", lambda n: n < long_min), ("long", lambda n: n >= long_min)):
+        done = [r for r, n in zip(results, input_lens, strict=True) if is_class(n) and r.error is None]
+        out.update(named(f"ttft_{name}", ttft_stats_s(done), "s"))
+    return out
 
 
 def run_load(port: int, inputs, output_len: int, concurrency: int | None):
@@ -156,27 +272,61 @@ def run_load(port: int, inputs, output_len: int, concurrency: int | None):
     return results, time.perf_counter() - t0
 
 
-def run_config(config: str, args, inputs, probe_input, context: int, log_dir: Path, bar) -> dict:
+def run_probe(port: int, probe_input: list[int], output_len: int) -> dict:
+    """TTFT and inter-token latency of one request alone (concurrency 1): what a lone user sees."""
+    (r,), _ = run_load(port, [probe_input], output_len, 1)
+    return {"ttft_concurrency1_s": r.ttft, "probe_output_tokens": r.output_tokens,
+            **named("itl_concurrency1", itl_stats_ms([r]), "ms"), **({"probe_error": r.error} if r.error else {})}
+
+
+def workload_label(args) -> str:
+    """What the run sent, in log names: the input length (fixed) or ``mixed``."""
+    return str(args.input_len) if args.workload == "fixed" else "mixed"
+
+
+def workload_title(args) -> str:
+    """What the run sends, for the progress bar: ``32K`` or ``mixed``."""
+    return f"{args.input_len // 1024}K" if args.workload == "fixed" else "mixed"
+
+
+def workload_fields(args, config: str, input_lens: list[int]) -> dict:
+    """The row fields naming what a configuration was sent. ``group`` is what the results file replaces rows
+    by: fixed rows keep theirs (``<model>/in<length>/...``), mixed rows get ``<model>/mixed/...``, so a
+    mixed run never replaces a fixed-length row nor the other way round."""
+    tail = f"out{args.output_len}/tp{args.tp}/{config}"
+    if args.workload == "fixed":
+        return {"workload": "fixed", "input_len": args.input_len, "group": f"{args.model}/in{args.input_len}/{tail}"}
+    long_min = MIXED_LENGTHS.long_min
+    return {"workload": "mixed", "input_lens": input_lens, "length_mix": dataclasses.asdict(MIXED_LENGTHS),
+            "length_seed": MIXED_SEED, "input_tokens": sum(input_lens),
+            "short_requests": sum(n < long_min for n in input_lens), "long_requests": sum(n >= long_min for n in input_lens),
+            "group": f"{args.model}/mixed/{tail}"}
+
+
+def run_config(config: str, args, inputs, probe_input, probe_output: int, context: int, log_dir: Path, bar) -> dict:
+    """One configuration's server under the load (and the concurrency-1 probe where ``probe_input`` is given)."""
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=args.port)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
-    row = {"part": "throughput", "model": args.model, "config": config, "input_len": args.input_len,
+    input_lens = [len(x) for x in inputs]
+    row = {"part": "throughput", "model": args.model, "config": config, **workload_fields(args, config, input_lens),
            "output_len": args.output_len, "tp": args.tp, "mem_fraction_static": args.mem_fraction, "concurrency": args.concurrency or len(inputs),
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
-           "group": f"{args.model}/in{args.input_len}/out{args.output_len}/tp{args.tp}/{config}",
            # which GPU of the host, so runs of parallel queues (one GPU each) say so
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    label = workload_label(args)
     t0 = time.perf_counter()
     try:
-        with Server(argv, env, log_dir / f"throughput-{args.model}-{args.input_len}-{config}.log", args.port) as srv:
+        with Server(argv, env, log_dir / f"throughput-{args.model}-{label}-{config}.log", args.port) as srv:
             row["startup_s"] = round(srv.startup_s, 1)
             row["max_total_num_tokens"] = server_info(srv.base).get("max_total_num_tokens")
-            bar.set_description(f"{config} {args.input_len // 1024}K: {len(inputs)} requests")
+            bar.set_description(f"{config} {workload_title(args)}: {len(inputs)} requests")
             results, wall = run_load(args.port, inputs, args.output_len, args.concurrency)
-            row.update(summarize_run(results, wall, args.input_len))
-            if args.ttft_probe:   # a request none of the others shares a prefix with: no radix-cache hit
-                probe, _ = run_load(args.port, [probe_input], min(args.output_len, 16), 1)
-                row["ttft_concurrency1_s"] = probe[0].ttft
+            row.update(summarize_run(results, wall, input_lens))
+            if args.workload == "mixed":
+                row.update(ttft_by_length_class(results, input_lens))
+            if probe_input is not None:   # a request none of the others shares a prefix with: no radix-cache hit
+                row.update(run_probe(args.port, probe_input, probe_output))
             row["server_alive"] = srv.alive()
         row["status"] = "ok" if row["errors"] == 0 else "error"
     except Exception as e:
@@ -302,16 +452,23 @@ def run_meta(command: str, parts, previous_meta: dict) -> dict:
     return e2e_results.with_calls(bench_meta.collect(command, parts=list(parts)), previous_meta)
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
+    """(parser, arguments); the parser reports errors of the checks that need the model's config."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.throughput", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
-    ap.add_argument("--input-len", type=int, default=32768)
+    ap.add_argument("--workload", choices=WORKLOADS, default="fixed",
+                    help="fixed: every prompt --input-len tokens; mixed: short and long prompts together "
+                         f"({MIXED_LENGTHS.long_per_block} in {MIXED_LENGTHS.block} of {MIXED_LENGTHS.long_min} "
+                         f"tokens up to the model's limit less --output-len, the rest {MIXED_LENGTHS.short_min}-"
+                         f"{MIXED_LENGTHS.short_max}; default %(default)s)")
+    ap.add_argument("--input-len", type=int, default=None, help="prompt tokens of --workload fixed (default 32768)")
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     ap.add_argument("--requests", default="auto", help="number of requests, or 'auto' (fill the largest pool --fills times)")
     ap.add_argument("--fills", type=float, default=2.0, help="pool fills for --requests auto (default 2, the issue's)")
     ap.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default all)")
-    ap.add_argument("--no-ttft-probe", dest="ttft_probe", action="store_false")
+    ap.add_argument("--no-ttft-probe", dest="ttft_probe", action="store_false",
+                    help="skip the lone request after the load (TTFT and ITL at concurrency 1; fixed workload only)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--soak", action="store_true", help="run the soak instead (mixed lengths, cancellations)")
@@ -324,11 +481,80 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not 1024 <= args.port <= 65535:
         ap.error(f"--port must be in 1024..65535, got {args.port}")
+    if args.workload == "mixed" and args.input_len is not None:
+        ap.error("--input-len: only with --workload fixed (--workload mixed draws its prompt lengths from MIXED_LENGTHS)")
+    if args.workload == "fixed" and args.input_len is None:
+        args.input_len = 32768
+    if (args.input_len is not None and args.input_len <= 0) or args.output_len <= 0:
+        ap.error("--input-len and --output-len must be positive")
+    return ap, args
+
+
+def check_fits(ap, args, max_pos: int) -> None:
+    """Every request's prompt and output within the model's positions (else a parser error saying what fits)."""
+    if args.workload == "fixed" and args.input_len + args.output_len > max_pos:
+        ap.error(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds {args.model}'s "
+                 f"{max_pos} positions (for '128K' pass --input-len {max_pos - args.output_len})")
+    if args.workload == "mixed" and max_pos - args.output_len < MIXED_LENGTHS.long_min:
+        ap.error(f"--output-len {args.output_len} leaves {max_pos - args.output_len} of {args.model}'s {max_pos} "
+                 f"positions for a prompt; --workload mixed needs {MIXED_LENGTHS.long_min} (its long prompts)")
+
+
+def request_count(ap, args, previous_rows: list[dict], max_pos: int) -> int:
+    """--requests as a number: the one given, or (auto) what fills the largest pool --fills times."""
+    if args.requests != "auto":
+        try:
+            n = int(args.requests)
+        except ValueError:
+            n = 0
+        if n <= 0:
+            ap.error(f"--requests must be a positive integer or 'auto', got {args.requests!r}")
+        if args.workload == "mixed" and n < MIXED_LENGTHS.block:
+            ap.error(f"--requests: --workload mixed needs at least {MIXED_LENGTHS.block} (one block, short and "
+                     f"long prompts), got {n}")
+        return n
+    if args.fills <= 0:
+        ap.error(f"--fills must be positive, got {args.fills}")
+    # every configuration's pool, not only those of this call: queues that run a subset each (one GPU
+    # apiece) send the same requests, so their rows compare as one run's would
+    pools = estimated_pool_tokens(previous_rows, args.model, CONFIGS)
+    if args.workload == "fixed":
+        return requests_to_fill(pools, CONFIGS, args.input_len, args.output_len, args.fills)
+    return mixed_requests_to_fill(pools, CONFIGS, max_pos - args.output_len, args.output_len, args.fills)
+
+
+def prompt_lengths(args, n: int, max_pos: int) -> list[int]:
+    """The prompt length of each of the ``n`` requests."""
+    if args.workload == "fixed":
+        return [args.input_len] * n
+    return mixed_prompt_lengths(n, max_pos - args.output_len)
+
+
+def describe_load(args, lengths: list[int]) -> str:
+    """The requests in words, for the terminal."""
+    if args.workload == "fixed":
+        return f"{len(lengths)} requests of {args.input_len} + {args.output_len} tokens"
+    n_long = sum(n >= MIXED_LENGTHS.long_min for n in lengths)
+    return (f"{len(lengths)} mixed requests ({len(lengths) - n_long} short, {n_long} long; {min(lengths)} to "
+            f"{max(lengths)} tokens, {sum(lengths):,} in all) + {args.output_len} tokens each")
+
+
+def result_line(row: dict) -> str:
+    """A row in one line for the terminal: throughput and the latencies its workload measures."""
+    if row["status"] != "ok":
+        return f"{row['config']}: {row.get('error') or row.get('first_error', '')}"
+    line = f"{row['config']}: {row['output_throughput']:.0f} output tok/s"
+    if row["workload"] == "mixed":
+        return line + f", TTFT p50 short {row.get('ttft_short_p50_s')} s / long {row.get('ttft_long_p50_s')} s"
+    return line + (f", TTFT(c=1) {row.get('ttft_concurrency1_s')} s, ITL(c=1) mean "
+                   f"{row.get('itl_concurrency1_mean_ms')} ms")
+
+
+def main(argv=None) -> int:
+    ap, args = parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     if not configs or any(c not in CONFIGS for c in configs):
         ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
-    if args.input_len <= 0 or args.output_len <= 0:
-        ap.error("--input-len and --output-len must be positive")
     out_dir = Path(args.out)
     log_dir = out_dir / "logs" / "e2e"
     command = ("python -m benchmarks.e2e.throughput " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
@@ -342,40 +568,28 @@ def main(argv=None) -> int:
                 f"{command}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
         print(json.dumps(row, indent=1))
         return 0 if row["status"] == "ok" else 1
-    if args.requests == "auto":
-        if args.fills <= 0:
-            ap.error(f"--fills must be positive, got {args.fills}")
-        # every configuration's pool, not only those of this call: queues that run a subset each (one GPU
-        # apiece) send the same requests, so their rows compare as one run's would
-        n = requests_to_fill(estimated_pool_tokens(previous["rows"], args.model, CONFIGS), CONFIGS, args.input_len,
-                             args.output_len, args.fills)
-    else:
-        try:
-            n = int(args.requests)
-        except ValueError:
-            n = 0
-        if n <= 0:
-            ap.error(f"--requests must be a positive integer or 'auto', got {args.requests!r}")
     model_cfg = model_config(args.model)
     vocab, max_pos = model_cfg["vocab_size"], model_cfg["max_position_embeddings"]
-    if args.input_len + args.output_len > max_pos:
-        ap.error(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds {args.model}'s "
-                 f"{max_pos} positions (for '128K' pass --input-len {max_pos - args.output_len})")
-    context = min(max_pos, max(args.input_len + args.output_len + 64, 4096))
-    inputs = make_inputs(n, args.input_len, vocab)
-    probe_input = make_inputs(1, args.input_len, vocab, seed=7)[0]
-    print(f"{len(configs)} configurations x {n} requests of {args.input_len} + {args.output_len} tokens "
-          f"({args.model}, TP {args.tp})", file=sys.stderr)
+    check_fits(ap, args, max_pos)
+    n = request_count(ap, args, previous["rows"], max_pos)
+    lengths = prompt_lengths(args, n, max_pos)
+    inputs = inputs_of_lengths(lengths, vocab)
+    # the probe: one prompt of the run's length alone; a mixed run has no one length for it to stand for
+    probe = args.ttft_probe and args.workload == "fixed"
+    probe_input = make_inputs(1, args.input_len, vocab, seed=7)[0] if probe else None
+    probe_output = probe_output_len(args.input_len, args.output_len, max_pos) if probe else 0
+    context = server_context_length(max(lengths), max(args.output_len, probe_output), max_pos)
+    print(f"{len(configs)} configurations x {describe_load(args, lengths)} ({args.model}, TP {args.tp})",
+          file=sys.stderr)
     from tqdm import tqdm
     rows = []
     meta = run_meta(command, ["throughput"], previous["meta"])
     with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
         for config in configs:
-            rows.append(run_config(config, args, inputs, probe_input, context, log_dir, bar))
+            rows.append(run_config(config, args, inputs, probe_input, probe_output, context, log_dir, bar))
             e2e_results.write_rows(previous["rows"], rows, out_dir, meta)
     for r in rows:
-        print(f"{r['config']}: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT(c=1) "
-                                    f"{r.get('ttft_concurrency1_s')}" if r["status"] == "ok" else r.get("error", "")))
+        print(result_line(r))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

@@ -213,7 +213,7 @@ def test_stream_metrics():
     assert r.ttft == 0.5 and r.output_tokens == 5
     assert r.itls() == pytest.approx([0.1, 0.1, 0.1, 0.1])
     bad = StreamResult(start=0.0, error="HTTP 500")
-    s = tp.summarize_run([r, bad], wall_s=2.0, input_len=100)
+    s = tp.summarize_run([r, bad], wall_s=2.0, input_lens=[100, 7000])   # the failed one's prompt not counted
     assert s["completed"] == 1 and s["errors"] == 1 and s["first_error"] == "HTTP 500"
     assert s["output_throughput"] == 2.5 and s["total_throughput"] == 52.5 and s["ttft_mean_s"] == 0.5
     assert s["itl_mean_ms"] == pytest.approx(100.0)
