@@ -1,5 +1,5 @@
 """Launch each kernel of interest a few times at one shape, for `ncu` to profile (no timing here).
-Kinds: decode, append, prefill (see each function).
+Kinds: decode, append, prefill (see each function); prefill_times prints each kernel's GPU time of one prefill call.
 
     ncu --clock-control none --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
         python -m benchmarks.profile_kernels decode qk4pv8 [batch context page_size]
@@ -67,6 +67,29 @@ def prefill(recipe: str, shape: str = "16K", compensation: str = "on", knobs: st
     _Launches(launches).bench(lambda: w.run(q, layer))
 
 
+def prefill_times(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "served", calls: int = 10):
+    """GPU time of each kernel of one prefill call (the pre-passes and the main kernel; torch's profiler, the mean of
+    ``calls`` calls): ``python -m benchmarks.profile_kernels prefill_times qk4pv8 16K on [served|knobs]``."""
+    from benchmarks.prefill_variants import parse_variant
+    from benchmarks.suites.prefill import SHAPES, _case, mpfa_setup
+    case = _case("mpfa", recipe, shape, dict(SHAPES)[shape], (compensation == "on") if recipe != "bf16" else None)
+    w, q, layer = mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0),
+                             knobs=None if knobs == "served" else parse_variant(knobs))
+    for _ in range(3):
+        w.run(q, layer)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            w.run(q, layer)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / calls
+    print(recipe, shape, f"compensation {compensation}", knobs, " | ".join(
+        f"{name[:40]} {us:.1f} us" for name, us in sorted(per_kernel.items(), key=lambda x: -x[1])))
+
+
 if __name__ == "__main__":
     args = [int(a) if a.isdigit() else a for a in sys.argv[2:]]   # e.g. decode qk4pv8 32 32768 1
-    {"decode": decode, "append": append, "prefill": prefill}[sys.argv[1]](*args)
+    {"decode": decode, "append": append, "prefill": prefill, "prefill_times": prefill_times}[sys.argv[1]](*args)
