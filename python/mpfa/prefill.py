@@ -114,6 +114,17 @@ def tile_schedule(qo_lens, kv_lengths, causal: bool, q_tile: int) -> list[tuple[
     return [(b, t) for _, b, t in tiles]
 
 
+def reference_numerics(recipe: str, knobs: dict | None, kv) -> dict:
+    """mpfa.reference.batch_attention's keyword arguments for what a prefill build computes over all of cache layer
+    ``kv``'s pages (``knobs``: the build's, None the served one; mpfa_jit/ops/prefill.py numerics), K's INT8 rows and
+    scales included when the build reads K under one scale per tile (the oracle of the tests and studies; the
+    reference backend passes only the batch's pages)."""
+    kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe, knobs))
+    if kw.get("k_tile"):
+        kw["k_operand_pages"] = kv.k_operand()
+    return kw
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(recipe: str, head_dim: int, page_size: int, group_size: int, arch: str, knobs: tuple):
     """The library's entry point (``bind``); ``group_size`` is checked against the tested range, not built in;

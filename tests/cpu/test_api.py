@@ -338,15 +338,6 @@ def _queries(n, d, gen):
 REQUESTS = [(21, 9), (40, 0), (0, 16), (37, 1), (3, 45)]
 
 
-def _served_numerics(recipe, layer) -> dict:
-    """batch_attention's arguments for the served prefill build of ``recipe`` (its K tile scale: K's INT8 rows)."""
-    from mpfa_jit.ops import prefill as prefill_op
-    kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe))
-    if kw.get("k_tile"):
-        kw["k_operand_pages"] = layer.k_operand()
-    return kw
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("d", [64, 128])
 def test_prefill_reference_matches_oracle(recipe, d):
@@ -365,7 +356,7 @@ def test_prefill_reference_matches_oracle(recipe, d):
         assert lse.shape == (total_q, HEADS) and torch.isfinite(lse).all()
         kp, vp = layer.dequantize(torch.float64)
         ro, rlse = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
-                                   dtype=torch.float64, **_served_numerics(recipe, layer))
+                                   dtype=torch.float64, **mpfa.prefill.reference_numerics(recipe, None, layer))
         _assert_matches_oracle(o, ro)
         assert torch.allclose(lse.double(), rlse, rtol=1e-5, atol=1e-4)
         # And close to exact attention on the original, unquantized K/V of each request.
@@ -396,7 +387,7 @@ def test_prefill_out_in_place_and_compensation_flag():
         assert res is out or res.data_ptr() == out.data_ptr()
         assert not torch.isnan(out).any()
         ro, _ = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe="qk8pv8",
-                                compensation=comp, dtype=torch.float64, **_served_numerics("qk8pv8", layer))
+                                compensation=comp, dtype=torch.float64, **mpfa.prefill.reference_numerics("qk8pv8", None, layer))
         _assert_matches_oracle(out, ro)
         outs[comp] = out
     assert not torch.equal(outs[True], outs[False])       # the flag reaches the numerics
@@ -421,9 +412,7 @@ def test_prefill_reference_follows_the_kernel_builds_numerics(recipe):
         w = mpfa.BatchPrefillWrapper(_workspace(), backend="reference")
         w.plan(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=knobs)
         outs[name] = w.run(q, layer)
-        kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe, knobs))
-        if kw["k_tile"]:
-            kw["k_operand_pages"] = layer.k_operand()
+        kw = mpfa.prefill.reference_numerics(recipe, knobs, layer)
         ro, _ = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
                                 dtype=torch.float64, **kw)
         _assert_matches_oracle(outs[name], ro)

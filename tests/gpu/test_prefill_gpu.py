@@ -59,9 +59,7 @@ def _references(q, qo, layer, indptr, indices, last, lengths, *, recipe, causal,
     """Per request: (exact fp64 attention on the dequantized cache, recipe_attention with the kernel build's numerics
     (``knobs``: None the served build; mpfa_jit/ops/prefill.py numerics), each as (o, lse)."""
     kd, vd = layer.dequantize(dtype=torch.float64)
-    kw = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe, knobs))
-    if kw.get("k_tile"):
-        kw["k_operand_pages"] = layer.k_operand()
+    kw = mpfa.prefill.reference_numerics(recipe, knobs, layer)
     o, lse = batch_attention(q, qo, kd, vd, indptr, indices, last, causal=causal, sm_scale=sm_scale, recipe=recipe,
                              compensation=compensation, **kw)
     exact, quant = [], []
