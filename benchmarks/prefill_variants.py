@@ -6,9 +6,8 @@ the main kernel, timed with the suites' timer, and compared with the default var
 
 Knobs are the template's parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
 ``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``, ``comp_mma``,
-``pv_once``); a
-variant lists the knobs it sets, the rest take the template's defaults (``""``: all defaults, the two-warpgroup
-per-key build served before prefill v3). The served build (SERVED_KNOBS) is always the first variant and the
+``pv_once``); a variant lists the knobs it sets, the rest take the template's defaults (``""``: all defaults, the
+two-warpgroup per-key build served before prefill v3). The served build (SERVED_KNOBS) is always the first variant and the
 reference for the output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows
 there, one that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, made again for each variant from the same seed; compensation on for the quantized

@@ -53,28 +53,29 @@ class _Launches:
         torch.cuda.synchronize()
 
 
-def prefill(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "served", launches: int = 3):
-    """One of the prefill suite's shapes with its setup: ``python -m benchmarks.profile_kernels prefill qk4pv8
-    [16K|32K|...] [on|off] ["served"|"consumers=2,pingpong=1"|""]`` (compensation; the served build, or a study
-    build's knobs as benchmarks/prefill_variants.py takes them, "" the template's defaults)."""
+def _prefill_setup(recipe: str, shape: str, compensation: str, knobs: str):
+    """The planned wrapper, Q and layer of one of the prefill suite's shapes: compensation "on" or "off"; knobs
+    "served", or a build's knobs as benchmarks/prefill_variants.py takes them ("" the template's defaults)."""
     from benchmarks.prefill_variants import parse_variant
     from benchmarks.suites.prefill import SHAPES, _case, mpfa_setup
     if compensation not in ("on", "off"):
         raise ValueError(f"compensation must be 'on' or 'off', got {compensation!r}")
     case = _case("mpfa", recipe, shape, dict(SHAPES)[shape], (compensation == "on") if recipe != "bf16" else None)
-    w, q, layer = mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0),
-                             knobs=None if knobs == "served" else parse_variant(knobs))
+    return mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0),
+                      knobs=None if knobs == "served" else parse_variant(knobs))
+
+
+def prefill(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "served", launches: int = 3):
+    """One of the prefill suite's shapes with its setup: ``python -m benchmarks.profile_kernels prefill qk4pv8
+    [16K|32K|...] [on|off] ["served"|"consumers=2,pingpong=1"|""]`` (_prefill_setup)."""
+    w, q, layer = _prefill_setup(recipe, shape, compensation, knobs)
     _Launches(launches).bench(lambda: w.run(q, layer))
 
 
 def prefill_times(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "served", calls: int = 10):
     """GPU time of each kernel of one prefill call (the pre-passes and the main kernel; torch's profiler, the mean of
     ``calls`` calls): ``python -m benchmarks.profile_kernels prefill_times qk4pv8 16K on [served|knobs]``."""
-    from benchmarks.prefill_variants import parse_variant
-    from benchmarks.suites.prefill import SHAPES, _case, mpfa_setup
-    case = _case("mpfa", recipe, shape, dict(SHAPES)[shape], (compensation == "on") if recipe != "bf16" else None)
-    w, q, layer = mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0),
-                             knobs=None if knobs == "served" else parse_variant(knobs))
+    w, q, layer = _prefill_setup(recipe, shape, compensation, knobs)
     for _ in range(3):
         w.run(q, layer)
     torch.cuda.synchronize()

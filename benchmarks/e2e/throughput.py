@@ -77,6 +77,10 @@ class LengthMix:
     block: int
     long_per_block: int
 
+    def is_long(self, length: int) -> bool:
+        """Whether a prompt of ``length`` tokens is of the long class."""
+        return length >= self.long_min
+
 
 # A long-context server's traffic: mostly chat and retrieval turns of a few thousand tokens, with a minority
 # of whole-document prompts up to the context limit. One long prompt in every five requests keeps both kinds
@@ -254,11 +258,11 @@ def summarize_run(results, wall_s: float, input_lens) -> dict:
     }
 
 
-def ttft_by_length_class(results, input_lens, long_min: int = MIXED_LENGTHS.long_min) -> dict:
+def ttft_by_length_class(results, input_lens, mix: LengthMix = MIXED_LENGTHS) -> dict:
     """TTFT of the short and the long prompts apart (ttft_short_p50_s, ...): a short request's first token
     waits behind long prompts' prefill, which one TTFT over both would hide."""
     out = {}
-    for name, is_class in (("short", lambda n: n < long_min), ("long", lambda n: n >= long_min)):
+    for name, is_class in (("short", lambda n: not mix.is_long(n)), ("long", mix.is_long)):
         done = [r for r, n in zip(results, input_lens, strict=True) if is_class(n) and r.error is None]
         out.update(named(f"ttft_{name}", ttft_stats_s(done), "s"))
     return out
@@ -296,10 +300,10 @@ def workload_fields(args, config: str, input_lens: list[int]) -> dict:
     tail = f"out{args.output_len}/tp{args.tp}/{config}"
     if args.workload == "fixed":
         return {"workload": "fixed", "input_len": args.input_len, "group": f"{args.model}/in{args.input_len}/{tail}"}
-    long_min = MIXED_LENGTHS.long_min
+    n_long = sum(map(MIXED_LENGTHS.is_long, input_lens))
     return {"workload": "mixed", "input_lens": input_lens, "length_mix": dataclasses.asdict(MIXED_LENGTHS),
             "length_seed": MIXED_SEED, "input_tokens": sum(input_lens),
-            "short_requests": sum(n < long_min for n in input_lens), "long_requests": sum(n >= long_min for n in input_lens),
+            "short_requests": len(input_lens) - n_long, "long_requests": n_long,
             "group": f"{args.model}/mixed/{tail}"}
 
 
@@ -534,7 +538,7 @@ def describe_load(args, lengths: list[int]) -> str:
     """The requests in words, for the terminal."""
     if args.workload == "fixed":
         return f"{len(lengths)} requests of {args.input_len} + {args.output_len} tokens"
-    n_long = sum(n >= MIXED_LENGTHS.long_min for n in lengths)
+    n_long = sum(map(MIXED_LENGTHS.is_long, lengths))
     return (f"{len(lengths)} mixed requests ({len(lengths) - n_long} short, {n_long} long; {min(lengths)} to "
             f"{max(lengths)} tokens, {sum(lengths):,} in all) + {args.output_len} tokens each")
 

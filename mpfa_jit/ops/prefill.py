@@ -48,6 +48,8 @@ def build_knobs(recipe: str, knobs: dict | None = None) -> dict:
     """The knobs of a build: ``knobs`` as given (a study variant; {} is the template's defaults; names and values
     checked), or the served build's of ``recipe`` when None."""
     if knobs is not None:
+        if not isinstance(knobs, dict):
+            raise ValueError(f"knobs must be a dict of prefill kernel knobs ({', '.join(KNOBS)}) or None, got {knobs!r}")
         for name, value in knobs.items():
             if value not in KNOBS.get(name, ()):
                 raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")

@@ -62,8 +62,7 @@ class KVCacheLayer:
         elif r.k_format == "int8":
             k = dequantize_k_per_token(f["k"], f["k_scale"]).to(dtype)
         else:
-            nb = self.head_dim // (2 * I4RS_BLOCK)   # block scales in use (the field is padded to 4 bytes)
-            k = dequantize_i4rs(f["k8"], f["k"], f["k_block_scale"][..., :nb], f["k_scale"]).to(dtype)
+            k = dequantize_i4rs(f["k8"], f["k"], self._block_scales(f), f["k_scale"]).to(dtype)
         v = f["v"].to(dtype) if r.v_format == "bf16" else dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
         if add_mean and self.mu_k is not None:
             k = k + self.mu_k.to(dtype).unsqueeze(1)
@@ -79,8 +78,12 @@ class KVCacheLayer:
         if self.recipe.k_format == "int8":
             ints = f["k"]
         else:
-            ints = i4rs_to_int8(f["k8"], f["k"], f["k_block_scale"][..., : self.head_dim // (2 * I4RS_BLOCK)])
+            ints = i4rs_to_int8(f["k8"], f["k"], self._block_scales(f))
         return ints, f["k_scale"].float()
+
+    def _block_scales(self, fields: dict) -> torch.Tensor:
+        """i4rs: the block scales in use of ``fields`` (the stored field is padded to 4 bytes)."""
+        return fields["k_block_scale"][..., : self.head_dim // (2 * I4RS_BLOCK)]
 
 
 class PagedKVCache:

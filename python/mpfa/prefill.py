@@ -10,10 +10,10 @@ request's KV, and the causal mask is aligned to that end.
 Kernel path (sm_90a, templates/prefill.cu.jinja): a pre-pass turns the request's paged, compressed
 K/V into MMA-ready tile images in the workspace (INT8 or bf16 K, transposed V, per-key factors and
 the compensation terms), then a warp-specialized wgmma kernel (quantized recipes: IGMMA for QK, QGMMA
-for PV; HGMMA for bf16) runs one CTA per (query tile, query head). The 8-bit recipes' build
-(mpfa_jit/ops/prefill.py SERVED_KNOBS): 192-row query tiles (three consumer warpgroups), one K scale per
-128-key tile, the compensation as one more INT8 k-step of the QK MMA under one Q scale per (request, head);
-bf16: 128-row tiles (two warpgroups). ``plan`` validates, builds the query-tile list (longest KV first) and
+for PV; HGMMA for bf16) runs one CTA per (query tile, query head). Every recipe's served build
+(mpfa_jit/ops/prefill.py SERVED_KNOBS) takes 192-row query tiles (three consumer warpgroups); qk4pv8's also reads
+K under one scale per 128-key tile and adds the compensation as one more INT8 k-step of the QK MMA under one
+Q scale per (request, head). ``plan`` validates, builds the query-tile list (longest KV first) and
 the KV-tile list, copies them and the page table into int32 device buffers, carves the workspace, and
 builds/loads the kernel. ``run`` only launches: no host sync.
 """
@@ -63,7 +63,7 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
     (n_kv_tiles x Hkv x KV_TILE x head_dim elements each), the per-key factors fa (quantized
     recipes), and with compensation mu_Q [batch, Hq, D], its partial sums [blocks of MU_ROWS rows of
     the longest chunk (``max_qo_len``; at most the longest KV), batch, Hq, D] and the per-key terms: fb
-    [n_kv_tiles, Hq, KV_TILE] (fp32), or in comp_mma builds (the 8-bit recipes' served one) each head's Q scale
+    [n_kv_tiles, Hq, KV_TILE] (fp32), or in comp_mma builds (qk4pv8's served one) each head's Q scale
     inputs q_head [batch, Hq, 2] (fp32) and the digit images cd [n_kv_tiles, Hq, KV_TILE x COMP_DIGITS bytes].
     ``knobs``: the kernel build (None: the served one, mpfa_jit/ops/prefill.py build_knobs)."""
     n = sum(kv_tiles(kv_lengths, recipe))
@@ -91,7 +91,7 @@ def workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_
                     recipe: str, compensation: bool, max_qo_len: int = 0, *, knobs: dict | None = None) -> int:
     """Workspace the kernel path needs (see workspace_layout): about 2 bytes per K/V element of the
     batch's keys for the FP8 recipes (4 for bf16), plus, with compensation, 32 bytes per key and query head
-    (the served 8-bit build's digits; 4 with per-key terms)."""
+    (qk4pv8's served build: its compensation digits; 4 with per-key terms)."""
     return _layout_bytes(workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe,
                                           compensation, max_qo_len, knobs=knobs))
 
@@ -200,8 +200,6 @@ class BatchPrefillWrapper:
         device = paged_kv_indices.device
         self.backend = resolve(self.requested_backend, device)
         sm_scale = check_sm_scale(sm_scale, head_dim)
-        if knobs is not None and not isinstance(knobs, dict):
-            raise ValueError(f"knobs must be a dict of prefill kernel knobs or None, got {knobs!r}")
         knobs = prefill_op.build_knobs(recipe_.name, knobs)
         plan = PrefillPlan(qo_indptr=qo_indptr, total_q=int(qo[-1]), paged=paged, num_qo_heads=num_qo_heads,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, causal=causal,

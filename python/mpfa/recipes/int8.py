@@ -141,8 +141,8 @@ def dequantize_k_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def requantize_k_tile(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One K tile's INT8 operand rows ``q [..., keys, D]`` (INT8 K, or i4rs's INT8 image) under per-key scales
     ``scale [..., keys]`` -> the same keys under the tile's largest scale s_T ``[...]``:
-    ``(rni(q * (s_j / s_T)) int8, s_T)`` (what the prefill's pre-pass writes in tile_scale builds, the 8-bit
-    recipes' served one; the ratio is <= 1, so no clamp). A NaN scale makes s_T NaN (the tile's bytes are then
+    ``(rni(q * (s_j / s_T)) int8, s_T)`` (what the prefill's pre-pass writes in tile_scale builds, qk4pv8's
+    served one; the ratio is <= 1, so no clamp). A NaN scale makes s_T NaN (the tile's bytes are then
     unspecified); an all-zero tile keeps s_T = 0."""
     s = scale.float()
     s_t = s.amax(dim=-1)   # propagates NaN

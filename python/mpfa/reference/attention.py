@@ -193,7 +193,7 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
     Quantized recipes: Q - mu_Q (mu_Q the mean of this request's rows per head, when
     ``compensation``) is quantized to INT8 with one scale per ``q_tile`` rows and head; the scores
     get ``mu_Q . K_j`` added back in ``dtype``; P goes to FP8 as ``e4m3(p * p_scale) / p_scale``
-    (mpfa.recipes.fp8.P_SCALE; prefill builds with tile_scale, the 8-bit recipes' served one, take P_SCALE_POW2).
+    (mpfa.recipes.fp8.P_SCALE; prefill builds with tile_scale, qk4pv8's served one, take P_SCALE_POW2).
     ``comp_digits`` (comp_mma builds, with compensation): one Q scale per head, mpfa.recipes.int8.comp_digits_q_scale;
     the keys' terms are added in ``dtype`` (the kernel rounds them to whole units of the QK product). The bf16
     recipe rounds P to bf16 before the PV product, as its kernel does. Non-finite inputs: module docstring.

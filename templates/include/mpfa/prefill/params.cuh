@@ -41,8 +41,8 @@
   X(uint8_t*, v_img)               /* workspace: [num_kv_tiles, Hkv, kImgV] */                        \
   X(float*, fa)                    /* workspace, quantized recipes: [num_kv_tiles, Hkv, kBN] */       \
   X(float*, fb)                    /* workspace, compensation: [num_kv_tiles, Hq, kBN] */             \
-  X(float*, q_head)                /* study comp_mma: [batch, Hq, 2] amax of Q - mu_Q, |mu_Q|_1; or null */ \
-  X(uint8_t*, cd_img)              /* study comp_mma: [num_kv_tiles, Hq, kImgCd] digit images; or null */ \
+  X(float*, q_head)                /* comp_mma: [batch, Hq, 2] amax of Q - mu_Q, |mu_Q|_1; or null */ \
+  X(uint8_t*, cd_img)              /* comp_mma: [num_kv_tiles, Hq, kImgCd] digit images; or null */ \
   X(__nv_bfloat16*, out)           /* [total_q, Hq, D] */                                             \
   X(int64_t, out_stride_t)                                                                            \
   X(int64_t, out_stride_h)                                                                            \
