@@ -135,14 +135,20 @@ def _throughput_rows(rows: list[dict], workload: str) -> list[dict]:
 
 def _headline_over(measured: dict[tuple, dict], field: str, peer: str) -> dict[tuple, float]:
     """{place: HEADLINE's ``field`` / ``peer``'s} for each place (a key of ``measured`` less its last item,
-    the configuration) where both rows have the field; missing rows or fields leave the place out."""
+    the configuration) where both rows have the field and ran the same load; missing rows or fields, or two
+    request counts (a rerun of one configuration with other --fills), leave the place out."""
     out = {}
     for key in sorted(measured):
         *place, config = key
         r, other = measured[key], measured.get((*place, peer))
-        if config == HEADLINE and other and r.get(field) and other.get(field):
+        if config == HEADLINE and other and r.get(field) and other.get(field) and _same_load(r, other):
             out[tuple(place)] = r[field] / other[field]
     return out
+
+
+def _same_load(a: dict, b: dict) -> bool:
+    """Whether two throughput rows sent the same requests (rows that do not say are taken to have)."""
+    return a.get("requests") is None or b.get("requests") is None or a["requests"] == b["requests"]
 
 
 def _throughput_summary(rows: list[dict]) -> dict:
@@ -153,12 +159,15 @@ def _throughput_summary(rows: list[dict]) -> dict:
     out: dict = {}
     for peer, key in (("flashinfer-bf16", "output_throughput_ratio_vs_flashinfer_bf16"),
                       ("flashinfer-fp8", "output_throughput_ratio_vs_flashinfer_fp8")):
-        ratios = {_label(*place): v for place, v in _headline_over(tput, "output_throughput", peer).items()}
-        if ratios:
-            out[key] = ratios
-            llama = [v for k, v in ratios.items() if "/" not in k]
-            if llama:
-                out[key + "_geomean"] = geomean(llama)
+        over = _headline_over(tput, "output_throughput", peer)
+        if over:
+            out[key] = {_label(*place): v for place, v in over.items()}
+            llama = {place: v for place, v in over.items() if place[0] == "llama-3.1-8b"}
+            # one figure for one build: a geomean over lengths measured with different mpfa kernels (a rerun
+            # of some lengths only) would blend two, so it waits for the rest of the rerun
+            builds = {_build(tput[(*place, HEADLINE)]) for place in llama}
+            if llama and len(builds) == 1:
+                out[key + "_geomean"] = geomean(list(llama.values()))
     # a lone request's latencies: TTFT is its prefill, the ITL (mean: its whole decode over its tokens) its decode
     for field, key in (("ttft_concurrency1_s", "ttft_concurrency1_ratio_vs_flashinfer_bf16"),
                        ("itl_concurrency1_mean_ms", "itl_concurrency1_ratio_vs_flashinfer_bf16")):
@@ -166,6 +175,13 @@ def _throughput_summary(rows: list[dict]) -> dict:
         if ratios:
             out[key] = ratios
     out.update(_mixed_summary(rows))
+    measured = {**{_label(m, n, c): r for (m, n, c), r in tput.items()},
+                **{_label(m, "mixed", c): r for m, c, r in
+                   ((r["model"], r["config"], r) for r in _throughput_rows(rows, "mixed"))}}
+    if measured:
+        # Rows of one results file can come from different runs and builds (a rerun replaces only its own
+        # lengths): each ratio above is only as current as its two rows, so the summary names them.
+        out["throughput_rows_measured"] = {k: _provenance(r) for k, r in sorted(measured.items())}
     # Where a run's wall time goes: SGLang runs prefill chunks and decode batches in turn, and N requests'
     # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes").
     split = {}
@@ -193,6 +209,16 @@ def _throughput_summary(rows: list[dict]) -> dict:
         if all("flashinfer_tp2_vs_tp1_token_agreement" in r for r in tp):
             out["tp2_tp1_token_agreement_flashinfer"] = min(r["flashinfer_tp2_vs_tp1_token_agreement"] for r in tp)
     return out
+
+
+def _build(row: dict):
+    """What an mpfa row measured: its kernels' content-hashed names where it has them, else its commit."""
+    return tuple(row["mpfa_kernels"]) if row.get("mpfa_kernels") else row.get("commit")
+
+
+def _provenance(row: dict) -> str:
+    """``<commit> · <n> requests`` of a throughput row: the build it measured and the load it ran."""
+    return f"{str(row.get('commit') or '?')[:7]} · {row.get('requests', '?')} requests"
 
 
 def _mixed_summary(rows: list[dict]) -> dict:
@@ -238,6 +264,13 @@ def with_calls(meta: dict, previous_meta: dict) -> dict:
     return {**meta, "calls": calls + [this]}
 
 
+def plotted_throughput(by: dict[tuple, dict]) -> dict[tuple, float]:
+    """{(model, length, config): output tok/s} of the rows the plot shows: beside each length's headline row
+    only the rows of its load (a rerun with other ``--fills`` leaves older rows of other configurations at
+    that length, which ran other requests)."""
+    return {key: r["output_throughput"] for key, r in by.items() if _same_load(r, by.get((*key[:2], HEADLINE), r))}
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """Output throughput per input length and configuration (the fixed-length throughput rows, TP 1), one
     plot per model in one figure's groups: ``<model> <length>``."""
@@ -247,12 +280,14 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         return []
     from benchmarks import plots
     groups = sorted({(r["model"], r["input_len"]) for r in ok})
-    configs = [c for c in CONFIGS if any(r["config"] == c for r in ok)]
-    val = {(r["model"], r["input_len"], r["config"]): r["output_throughput"] for r in ok}
+    by = {(r["model"], r["input_len"], r["config"]): r for r in ok}
+    val = plotted_throughput(by)
+    configs = [c for c in CONFIGS if any(key[2] == c for key in val)]
 
-    def label(m, n):   # the headline ratio under each group, where both were measured
-        b, q = val.get((m, n, "flashinfer-bf16")), val.get((m, n, "mpfa-qk4pv8"))
-        return f"{m} {n:,} in" + (f"\nqk4pv8 {q / b:.2f}x bf16" if b and q else "")
+    def label(m, n):   # the headline ratio under each group, where both were measured, and its build
+        b, q = val.get((m, n, "flashinfer-bf16")), val.get((m, n, HEADLINE))
+        build = str(by.get((m, n, HEADLINE), {}).get("commit") or "")[:7]
+        return f"{m} {n:,} in" + (f"\nqk4pv8 {q / b:.2f}x bf16 ({build})" if b and q else "")
     labels = [label(m, n) for m, n in groups]
     series = {c: [val.get((m, n, c)) for m, n in groups] for c in configs}
     return [plots.bar(labels, series, Path(out_dir) / f"{RESULT}.png", title="SGLang output throughput, H200, 1,024 output tokens",

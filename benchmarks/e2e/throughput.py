@@ -11,7 +11,8 @@ same input_ids: ``flashinfer-bf16`` and ``flashinfer-fp8`` (``--kv-cache-dtype f
 own FlashInfer backend, ``mpfa-<recipe>`` ours. A streaming client sends every request at once (or at most
 ``--concurrency``) with ``ignore_eos`` and records, per configuration: output and total throughput (tokens
 per second of wall time from the first request sent to the last token received), time to first token and
-inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors. Unless
+inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors, and for mpfa the
+content-hashed names of the kernels its server loads (``mpfa_kernels``: which build a row measured). Unless
 ``--no-ttft-probe``, one more request then runs alone, generating ``--output-len`` tokens (at least 128):
 TTFT and inter-token latency (mean, p50, p99) at concurrency 1.
 
@@ -54,7 +55,11 @@ from benchmarks.e2e import results as e2e_results
 from benchmarks.e2e.results import CONFIGS
 from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
 from mpfa.recipes import get_recipe
+from mpfa.sglang.kernels import server_kernel_specs
+from mpfa.sglang.model import check_hf_config, read_hf_config
+from mpfa_jit.errors import MpfaJitError
 from mpfa_jit.ops.decode import RECIPES
+from mpfa_jit.warmup import default_arch
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
@@ -62,6 +67,7 @@ MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
 BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256,
                              **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in RECIPES}}
 PORT = 30611
+PAGE_SIZE = 16                   # every configuration's --page-size
 WORKLOADS = ("fixed", "mixed")   # --workload: every prompt --input-len tokens, or MIXED_LENGTHS
 PROBE_MIN_OUTPUT = 128           # tokens the concurrency-1 probe generates at least: its ITL averages this many gaps
 
@@ -96,7 +102,7 @@ def server_argv(config: str, model: str, *, context_length: int, mem_fraction: f
     """(argv, extra environment) of one configuration's server."""
     backend = "mpfa" if config.startswith("mpfa-") else "flashinfer"
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path or MODELS[model]),
-            *(["--load-format", "dummy"] if dummy else []), "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", "16", "--context-length",
+            *(["--load-format", "dummy"] if dummy else []), "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", str(PAGE_SIZE), "--context-length",
             str(context_length), "--mem-fraction-static", str(mem_fraction), "--tp-size", str(tp), "--port", str(port),
             "--random-seed", "0", "--log-level", "warning"]
     env = {}
@@ -307,6 +313,23 @@ def workload_fields(args, config: str, input_lens: list[int]) -> dict:
             "group": f"{args.model}/mixed/{tail}"}
 
 
+def mpfa_kernel_builds(config: str, model: str, tp: int) -> list[str] | None:
+    """The content-hashed names (``KernelSpec.uri``: source, headers, flags, nvcc) of the kernels an mpfa
+    configuration's server loads, so a row says which build it measured whatever commit it ran at; None for
+    FlashInfer configurations, or where nvcc cannot be asked (the hash includes its version)."""
+    if not config.startswith("mpfa-"):
+        return None
+    recipe = config.split("-", 1)[1]
+    facts = check_hf_config(read_hf_config(MODELS[model]), page_size=PAGE_SIZE, recipe=recipe, tp_size=tp,
+                            where=str(MODELS[model] / "config.json"))
+    try:
+        specs = server_kernel_specs(num_qo_heads=facts["num_qo_heads"], num_kv_heads=facts["num_kv_heads"],
+                                    head_dim=facts["head_dim"], recipe=recipe, page_size=PAGE_SIZE, arch=default_arch())
+        return [s.uri() for s in specs]
+    except MpfaJitError:
+        return None
+
+
 def run_config(config: str, args, inputs, probe_input, probe_output: int, context: int, log_dir: Path, bar) -> dict:
     """One configuration's server under the load (and the concurrency-1 probe where ``probe_input`` is given)."""
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
@@ -336,6 +359,10 @@ def run_config(config: str, args, inputs, probe_input, probe_output: int, contex
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}")
     row["seconds"] = round(time.perf_counter() - t0, 1)
+    # after the server has gone: asking torch for the GPU's arch must not hold GPU memory while it sizes its pool
+    builds = mpfa_kernel_builds(config, args.model, args.tp)
+    if builds:
+        row["mpfa_kernels"] = builds
     bar.update(1)
     return row
 

@@ -4,6 +4,7 @@ statistics from given token timestamps, the ratios from given rows, the CLI's re
 of both workloads against a stand-in SGLang server (SGLang and a GPU are not on the CPU machine)."""
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import textwrap
@@ -165,6 +166,65 @@ def test_summary_ratios_of_itl_at_concurrency_one_and_of_the_mixed_workload():
     # mixed rows are no input length: the per-length ratios and the wall-time split are the fixed rows' alone
     assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 1.5, "65536": 1.5, "qwen3-14b/65536": 1.5}
     assert "wall_time_split_estimate" not in s
+
+
+def test_summary_names_the_build_and_load_of_every_throughput_row():
+    # a rerun replaces its own lengths only: the ratios of one file can pair rows of different builds
+    rows = [{**_fixed("flashinfer-bf16", 32768, 100.0), "commit": "e38a3e2b1d9c", "requests": 56},
+            {**_fixed("mpfa-qk4pv8", 32768, 150.0), "commit": "e38a3e2b1d9c", "requests": 56},
+            {**_fixed("mpfa-qk4pv8", 65536, 120.0), "commit": "edae8fc", "requests": 57},
+            _fixed("flashinfer-bf16", 65536, 80.0),                    # a row without commit or request count
+            {**_mixed("mpfa-qk4pv8", 600.0, 1.5, 36.0), "commit": "e38a3e2b1d9c"},
+            {**_fixed("mpfa-qk4pv8", 65536, 15.0, model="qwen3-14b"), "commit": "e243273", "requests": 42}]
+    assert results.summarize(rows)["throughput_rows_measured"] == {
+        "32768/flashinfer-bf16": "e38a3e2 · 56 requests", "32768/mpfa-qk4pv8": "e38a3e2 · 56 requests",
+        "65536/flashinfer-bf16": "? · ? requests", "65536/mpfa-qk4pv8": "edae8fc · 57 requests",
+        "mixed/mpfa-qk4pv8": "e38a3e2 · 50 requests", "qwen3-14b/65536/mpfa-qk4pv8": "e243273 · 42 requests"}
+
+
+def test_summary_ratios_pair_rows_of_the_same_load_only():
+    rows = [{**_fixed("flashinfer-bf16", 32768, 100.0), "requests": 56}, {**_fixed("mpfa-qk4pv8", 32768, 150.0), "requests": 56},
+            {**_fixed("flashinfer-fp8", 32768, 90.0), "requests": 111},   # measured under the older, longer load
+            {**_mixed("flashinfer-bf16", 400.0, 2.0, 30.0), "requests": 105}, _mixed("mpfa-qk4pv8", 600.0, 1.5, 36.0)]
+    s = results.summarize(rows)
+    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 1.5}
+    assert "output_throughput_ratio_vs_flashinfer_fp8" not in s
+    assert "mixed_output_throughput_ratio_vs_flashinfer_bf16" not in s   # 50 requests against 105
+
+
+def test_summary_geomean_is_over_one_mpfa_build():
+    rows = [_fixed("flashinfer-bf16", 32768, 100.0), {**_fixed("mpfa-qk4pv8", 32768, 200.0), "commit": "new"},
+            _fixed("flashinfer-bf16", 65536, 100.0), {**_fixed("mpfa-qk4pv8", 65536, 150.0), "commit": "old"}]
+    s = results.summarize(rows)
+    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.0, "65536": 1.5}
+    assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" not in s
+    rows[3]["commit"] = "new"
+    assert results.summarize(rows)["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx(3 ** 0.5)
+    # the kernels' hashed names, where rows have them, decide over the commit: a docs-only commit between
+    # two sessions' runs measures the same build, a kernel change under one commit name would not
+    rows[1]["mpfa_kernels"] = rows[3]["mpfa_kernels"] = ["prefill_x_0123456789ab"]
+    rows[3]["commit"] = "later"
+    assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" in results.summarize(rows)
+    rows[3]["mpfa_kernels"] = ["prefill_x_ba9876543210"]
+    assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" not in results.summarize(rows)
+
+
+def test_mpfa_rows_name_the_kernels_their_server_loads(monkeypatch):
+    monkeypatch.setenv("MPFA_CUDA_ARCH", "sm_90a")
+    builds = tp.mpfa_kernel_builds("mpfa-qk4pv8", "llama-3.1-8b", 1)
+    assert [b.split("_recipe")[0].split("_")[0] for b in builds] == ["append", "decode", "prefill"]
+    assert all("recipe-qk4pv8" in b and re.fullmatch(r".*_sm_90a_[0-9a-f]{12}", b) for b in builds)
+    assert tp.mpfa_kernel_builds("mpfa-bf16", "llama-3.1-8b", 1) != builds
+    assert tp.mpfa_kernel_builds("flashinfer-bf16", "llama-3.1-8b", 1) is None
+
+
+def test_the_plot_shows_beside_the_headline_only_rows_of_its_load():
+    by = {("llama-3.1-8b", 32768, c): {**_fixed(c, 32768, t), "requests": n}
+          for c, t, n in (("flashinfer-bf16", 348.0, 56), ("mpfa-qk4pv8", 557.0, 56), ("flashinfer-fp8", 368.0, 111))}
+    by[("llama-3.1-8b", 65536, "flashinfer-fp8")] = {**_fixed("flashinfer-fp8", 65536, 139.0), "requests": 57}
+    assert results.plotted_throughput(by) == {("llama-3.1-8b", 32768, "flashinfer-bf16"): 348.0,
+                                              ("llama-3.1-8b", 32768, "mpfa-qk4pv8"): 557.0,
+                                              ("llama-3.1-8b", 65536, "flashinfer-fp8"): 139.0}
 
 
 def test_summary_without_the_rows_to_compare_has_no_ratio_keys():
