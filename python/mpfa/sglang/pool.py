@@ -14,6 +14,7 @@ import torch
 
 from ..append import append_kv
 from ..kv_cache import PagedKVCache
+from .calibration import fixes_scales
 from .compat import sglang_attr, sglang_version
 from .settings import MpfaSettings
 
@@ -68,14 +69,16 @@ class MpfaTokenToKVPool(KVCache):
 
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, *, calibrate: bool) -> None:
         """Quantize and write ``k, v [tokens, heads, head_dim]`` (bf16) at slots ``loc``. With ``calibrate``
-        (extend batches), a layer's first call fixes its mu_K and V channel scales from this batch
-        first; they then stay fixed for the server's life, so cached prefix pages stay valid."""
+        (extend batches), a layer's first call that writes a request's slots fixes its mu_K and V channel
+        scales from this batch first (mpfa.sglang.calibration: SGLang's dummy forwards write only the
+        padding slot); they then stay fixed for the server's life, so cached prefix pages stay valid."""
         i = self.local_index(layer_id)
         k = k.view(-1, self.head_num, self.head_dim)
         v = v.view(-1, self.head_num, self.head_dim)
         if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             raise TypeError(f"mpfa appends bf16 K/V, got {k.dtype}/{v.dtype}: serve the model in bfloat16")
-        if not self.calibrated[i] and calibrate and k.shape[0] > 0 and not torch.cuda.is_current_stream_capturing():
+        if (not self.calibrated[i] and calibrate and k.shape[0] > 0
+                and fixes_scales(loc, capturing=torch.cuda.is_current_stream_capturing())):
             ignored = self.cache.calibrate(i, k, v, nonfinite="ignore")
             if ignored:
                 logger.warning("mpfa: layer %d's first batch held %d non-finite K/V elements; its fixed scales were "
