@@ -59,6 +59,18 @@ def driver_version() -> str | None:
         return None
 
 
+def gpu_arch() -> str | None:
+    """The first GPU's build target (``sm_90a`` on the H200) from nvidia-smi, or None: unlike asking torch,
+    this opens no CUDA context in the caller, whose memory a server started next would not get."""
+    out = _run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
+    try:
+        major, minor = (int(x) for x in out.splitlines()[0].strip().split("."))
+    except (AttributeError, IndexError, ValueError):
+        return None
+    from mpfa_jit.env import arch_from_capability
+    return arch_from_capability(major, minor)
+
+
 def gpu_state() -> str | None:
     """SM/memory clocks, temperature and power when the results are written: a row that moves between
     runs of the same code is first checked against these (the clocks are never changed, only read)."""

@@ -59,7 +59,6 @@ from mpfa.sglang.kernels import server_kernel_specs
 from mpfa.sglang.model import check_hf_config, read_hf_config
 from mpfa_jit.errors import MpfaJitError
 from mpfa_jit.ops.decode import RECIPES
-from mpfa_jit.warmup import default_arch
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
@@ -316,15 +315,19 @@ def workload_fields(args, config: str, input_lens: list[int]) -> dict:
 def mpfa_kernel_builds(config: str, model: str, tp: int) -> list[str] | None:
     """The content-hashed names (``KernelSpec.uri``: source, headers, flags, nvcc) of the kernels an mpfa
     configuration's server loads, so a row says which build it measured whatever commit it ran at; None for
-    FlashInfer configurations, or where nvcc cannot be asked (the hash includes its version)."""
+    FlashInfer configurations, or where the GPU's arch (MPFA_CUDA_ARCH, else nvidia-smi) or nvcc (the hash
+    includes its version) cannot be had."""
     if not config.startswith("mpfa-"):
+        return None
+    arch = os.environ.get("MPFA_CUDA_ARCH") or bench_meta.gpu_arch()
+    if arch is None:
         return None
     recipe = config.split("-", 1)[1]
     facts = check_hf_config(read_hf_config(MODELS[model]), page_size=PAGE_SIZE, recipe=recipe, tp_size=tp,
                             where=str(MODELS[model] / "config.json"))
     try:
         specs = server_kernel_specs(num_qo_heads=facts["num_qo_heads"], num_kv_heads=facts["num_kv_heads"],
-                                    head_dim=facts["head_dim"], recipe=recipe, page_size=PAGE_SIZE, arch=default_arch())
+                                    head_dim=facts["head_dim"], recipe=recipe, page_size=PAGE_SIZE, arch=arch)
         return [s.uri() for s in specs]
     except MpfaJitError:
         return None
@@ -359,7 +362,6 @@ def run_config(config: str, args, inputs, probe_input, probe_output: int, contex
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}")
     row["seconds"] = round(time.perf_counter() - t0, 1)
-    # after the server has gone: asking torch for the GPU's arch must not hold GPU memory while it sizes its pool
     builds = mpfa_kernel_builds(config, args.model, args.tp)
     if builds:
         row["mpfa_kernels"] = builds

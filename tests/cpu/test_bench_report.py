@@ -512,3 +512,11 @@ def test_benchmarks_have_no_import_circle():
                 todo.extend(graph[m])
     assert circles == [], f"modules on an import circle: {circles}"
 
+
+
+def test_gpu_arch_reads_nvidia_smi_without_a_cuda_context(monkeypatch):
+    from benchmarks import meta
+    answers = {"9.0": "sm_90a", "9.0\n9.0": "sm_90a", "10.0": "sm_100a", None: None, "": None, "N/A": None}
+    for out, arch in answers.items():
+        monkeypatch.setattr(meta, "_run", lambda cmd, cwd=None, out=out: out)
+        assert meta.gpu_arch() == arch, out
