@@ -176,8 +176,7 @@ def _throughput_summary(rows: list[dict]) -> dict:
             out[key] = ratios
     out.update(_mixed_summary(rows))
     measured = {**{_label(m, n, c): r for (m, n, c), r in tput.items()},
-                **{_label(m, "mixed", c): r for m, c, r in
-                   ((r["model"], r["config"], r) for r in _throughput_rows(rows, "mixed"))}}
+                **{_label(r["model"], "mixed", r["config"]): r for r in _throughput_rows(rows, "mixed")}}
     if measured:
         # Rows of one results file can come from different runs and builds (a rerun replaces only its own
         # lengths): each ratio above is only as current as its two rows, so the summary names them.

@@ -344,6 +344,9 @@ def run_config(config: str, args, inputs, probe_input, probe_output: int, contex
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
            # which GPU of the host, so runs of parallel queues (one GPU each) say so
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    builds = mpfa_kernel_builds(config, args.model, args.tp)   # before the server: a failure here costs no GPU time
+    if builds:
+        row["mpfa_kernels"] = builds
     label = workload_label(args)
     t0 = time.perf_counter()
     try:
@@ -362,9 +365,6 @@ def run_config(config: str, args, inputs, probe_input, probe_output: int, contex
     except Exception as e:
         row.update(status="error", error=f"{type(e).__name__}: {e}")
     row["seconds"] = round(time.perf_counter() - t0, 1)
-    builds = mpfa_kernel_builds(config, args.model, args.tp)
-    if builds:
-        row["mpfa_kernels"] = builds
     bar.update(1)
     return row
 

@@ -77,7 +77,7 @@ class MpfaTokenToKVPool(KVCache):
         v = v.view(-1, self.head_num, self.head_dim)
         if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
             raise TypeError(f"mpfa appends bf16 K/V, got {k.dtype}/{v.dtype}: serve the model in bfloat16")
-        if (not self.calibrated[i] and calibrate and k.shape[0] > 0
+        if (not self.calibrated[i] and calibrate
                 and fixes_scales(loc, capturing=torch.cuda.is_current_stream_capturing())):
             ignored = self.cache.calibrate(i, k, v, nonfinite="ignore")
             if ignored:
