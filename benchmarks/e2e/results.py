@@ -273,8 +273,7 @@ def plotted_throughput(by: dict[tuple, dict]) -> dict[tuple, float]:
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """Output throughput per input length and configuration (the fixed-length throughput rows, TP 1), one
     plot per model in one figure's groups: ``<model> <length>``."""
-    ok = [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1
-          and r.get("workload", "fixed") == "fixed"]   # a mixed row has no one input length to stand at
+    ok = _throughput_rows(rows, "fixed")   # a mixed row has no one input length to stand at
     if not ok:
         return []
     from benchmarks import plots
