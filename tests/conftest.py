@@ -1,5 +1,7 @@
 """GPU tests run only on a Hopper GPU (sm_90a); elsewhere they are skipped with the reason.
-nvcc tests need only the compiler (they build sm_90a code without a GPU)."""
+nvcc tests need only the compiler (they build sm_90a code without a GPU). They skip where nvcc is not
+found, unless MPFA_REQUIRE_NVCC=1 (.ci/run sets it on a machine that has nvcc): then they fail with the
+reason, so CI cannot pass with its compile tests skipped."""
 import os
 
 import pytest
@@ -19,9 +21,21 @@ def _nvcc_reason():
     from mpfa_jit import env, NvccNotFoundError
     try:
         env.nvcc_path()
-    except NvccNotFoundError:
-        return "nvcc not found: JIT build tests need the CUDA compiler"
+    except NvccNotFoundError as e:
+        return f"JIT build tests need the CUDA compiler: {e}"
     return None
+
+
+def _nvcc_required() -> bool:
+    return os.environ.get("MPFA_REQUIRE_NVCC", "0") not in ("", "0")
+
+
+# A compile test that cannot run where nvcc is required: the reason, reported as a setup error.
+_NVCC_MISSING = pytest.StashKey[str]()
+
+
+def _fail_required(reason):
+    pytest.fail(f"{reason} (MPFA_REQUIRE_NVCC=1: this machine must run the compile tests)", pytrace=False)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,7 +44,18 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and gpu:
             item.add_marker(pytest.mark.skip(reason=gpu))
         if "nvcc" in item.keywords and nvcc:
-            item.add_marker(pytest.mark.skip(reason=nvcc))
+            if _nvcc_required():
+                item.stash[_NVCC_MISSING] = nvcc
+            else:
+                item.add_marker(pytest.mark.skip(reason=nvcc))
+
+
+def pytest_runtest_setup(item):
+    # Runs after the skip markers (the skipping plugin's setup is tryfirst), so a GPU test without a GPU
+    # still skips; and before the fixtures, so nothing is set up for a test that cannot run.
+    reason = item.stash.get(_NVCC_MISSING, None)
+    if reason:
+        _fail_required(reason)
 
 
 @pytest.fixture
@@ -61,7 +86,10 @@ def sass_tools():
     from mpfa_jit import env
     cuobjdump, nvdisasm = env.cuda_tool("cuobjdump"), env.cuda_tool("nvdisasm")
     if not cuobjdump or not nvdisasm:
-        pytest.skip("cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+        reason = "cuobjdump/nvdisasm not found (the test extra installs nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)"
+        if _nvcc_required():
+            _fail_required(reason)
+        pytest.skip(reason)
     return cuobjdump, {**os.environ, "PATH": os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", "")}
 
 
