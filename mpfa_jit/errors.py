@@ -27,3 +27,12 @@ class KernelAbiError(MpfaJitError):
 
 class KernelLaunchError(MpfaJitError):
     """A compiled kernel returned a CUDA error."""
+
+
+class CacheDirError(MpfaJitError):
+    """The kernel cache folder (MPFA_CACHE_DIR) cannot be used: it cannot be written, or one of its folders is a
+    symbolic link out of it. The message names the folder and what failed, in one line."""
+
+
+class NotACacheError(CacheDirError):
+    """The cache directory holds files that are not mpfa's: nothing there is built into or deleted."""

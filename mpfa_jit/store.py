@@ -24,6 +24,12 @@ its files into a folder of other things. ``clear`` deletes only the entries abov
 its lock (a key being built is skipped), and refuses a folder without the marker. A cache made by
 an older mpfa (no marker; nothing but the names above, with at least one manifest in lib/) is
 recognised by its manifests and adopted: the marker is written at its next build or clear.
+
+Symbolic links: the cache folder itself may be one (MPFA_CACHE_DIR -> /scratch/x); it is resolved once and
+the real folder is the root. Inside it the store follows no link: every path it deletes must lie under the
+root with no link on the way. ``clear`` unlinks a link it finds where the cache keeps its folders (lib/,
+tmp/, failed/, locks/ or an entry in them) and never reads or deletes what the link points to; a build
+refuses to run through such a link (CacheDirError), and a link in place of a published entry is not loaded.
 """
 from __future__ import annotations
 
@@ -34,9 +40,9 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +50,7 @@ from filelock import FileLock, Timeout
 
 from . import env
 from .build import LIB_NAME, build
-from .errors import MpfaJitError
+from .errors import CacheDirError, NotACacheError
 from .spec import KernelSpec
 
 log = logging.getLogger("mpfa_jit")
@@ -57,9 +63,10 @@ _OWN_NAMES = frozenset(_DIRS + _FILES + (env.CACHE_MARKER,))
 _OWN_TEMP = re.compile(r"^(compiler|" + re.escape(env.CACHE_MARKER) + r")\.\d+\.\d+\.tmp$")
 _BUILD_DIR = re.compile(r"^(?P<uri>.+)\.(?P<pid>\d+)\.(?P<n>\d+)$")   # tmp/<uri>.<pid>.<n>
 
+# What an older mpfa's benchmarks.accuracy.data fetched into the default cache folder (now kept apart).
+_OLD_EVAL_DATA = "eval-data"
 
-class NotACacheError(MpfaJitError):
-    """The cache directory holds files that are not mpfa's: nothing there is built into or deleted."""
+__all__ = ["CacheDirError", "Cleared", "Contents", "Entry", "NotACacheError", "Store"]
 
 
 def _sha256(path: Path) -> str:
@@ -126,18 +133,48 @@ class Entry:
 
 
 @dataclass
+class Contents:
+    """What lies in the cache's folders, read without following a link: the build folders per key (lib/<uri>
+    with a manifest, tmp/<uri>.<pid>.<n>, failed/<uri>), the symbolic links found where those folders or
+    entries belong, and the names that are not the cache's (relative to the root)."""
+    builds: dict[str, list[Path]] = field(default_factory=dict)
+    links: list[Path] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+
+@dataclass
 class Cleared:
     """What ``Store.clear`` did: bytes freed, build folders removed (published, left by a killed builder,
-    failed), keys skipped because a build of them is running, and names left alone as not the cache's."""
+    failed), keys skipped because a build of them is running, names left alone as not the cache's, and
+    symbolic links unlinked (relative to the root) without touching what they point to."""
     freed: int = 0
     removed: int = 0
     busy: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
+    unlinked: list[str] = field(default_factory=list)
+
+
+def _build_key(folder: str, path: Path) -> str | None:
+    """The key ``path`` (a non-link entry of the cache's ``folder``) is a build of, or None if it is none."""
+    if folder == "lib":
+        return path.name if path.is_dir() and (path / "manifest.json").is_file() else None
+    if folder == "tmp":
+        m = _BUILD_DIR.match(path.name)
+        return m["uri"] if m else None
+    if folder == "failed":
+        return path.name if path.is_dir() else None
+    return None
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or str(e)
 
 
 class Store:
     def __init__(self, root: Path | None = None):
-        self.root = Path(root) if root is not None else env.cache_dir()
+        # Resolved once: a root the user made a link (to a scratch disk) is honoured, and every path deleted
+        # later can be required to lie under this real folder.
+        self.root = (Path(root) if root is not None else env.cache_dir()).resolve()
 
     @property
     def lib_dir(self) -> Path:
@@ -152,8 +189,57 @@ class Store:
     def failed_dir(self, uri: str) -> Path:
         return self.root / "failed" / uri
 
+    def _lock_path(self, uri: str) -> Path:
+        return self.root / "locks" / f"{uri}.lock"
+
     def _lock(self, uri: str, timeout: float = -1) -> FileLock:
-        return FileLock(str(self.root / "locks" / f"{uri}.lock"), timeout=timeout)
+        path = self._lock_path(uri)
+        if path.is_symlink():   # older filelock opens with O_TRUNC: it would empty the file the link points to
+            raise self._linked(path, "refusing to lock through it")
+        return FileLock(str(path), timeout=timeout)
+
+    @contextmanager
+    def _locked(self, uri: str):
+        lock = self._lock(uri)
+        try:
+            lock.acquire()
+        except OSError as e:
+            raise CacheDirError(f"cannot take the build lock {lock.lock_file} of the kernel cache {self.root}: "
+                                f"{_why(e)}; point MPFA_CACHE_DIR at a folder you can write") from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _linked(self, path: Path, doing: str) -> CacheDirError:
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        return CacheDirError(
+            f"{path} is a symbolic link{target}: the kernel cache {self.root} never follows a link out of itself; "
+            f"{doing}. `python -m mpfa_jit.cache clear` removes the link (not what it points to); to keep the "
+            "cache elsewhere, point MPFA_CACHE_DIR there")
+
+    def _delete(self, path: Path) -> int:
+        """``_remove`` for a path of the cache only: its folder, resolved, must be itself (no link on the way, such
+        as lib/ swapped for one) and lie under the root. A link at ``path`` itself is unlinked, not followed."""
+        parent = path.parent
+        if Path(os.path.realpath(parent)) != parent or not parent.is_relative_to(self.root):
+            raise CacheDirError(f"refusing to delete {path}: {parent} leads out of the kernel cache {self.root} "
+                                "through a symbolic link")
+        return _remove(path)
+
+    def _discard(self, path: Path) -> None:
+        """``_delete`` where a leftover is harmless (the next build or clear retries); a link out still raises."""
+        try:
+            self._delete(path)
+        except OSError:
+            pass
+
+    def _linked_dirs(self) -> list[Path]:
+        """The cache's own folders (lib/, tmp/, locks/, failed/) that are symbolic links."""
+        return [self.root / d for d in _DIRS if (self.root / d).is_symlink()]
 
     # ---- what the folder is
 
@@ -173,7 +259,9 @@ class Store:
             return "empty"
         if any(n not in _OWN_NAMES and not _OWN_TEMP.match(n) for n in names):
             return "foreign"
-        if self.lib_dir.is_dir() and any((d / "manifest.json").is_file() for d in self.lib_dir.iterdir()):
+        lib = self.lib_dir   # manifests reached through a link prove nothing about this folder
+        if not lib.is_symlink() and lib.is_dir() and any(_build_key("lib", d) for d in lib.iterdir()
+                                                         if not d.is_symlink()):
             return "legacy"
         return "unmarked"
 
@@ -184,9 +272,13 @@ class Store:
             names = []
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         what = f"it holds {shown}, " if shown else ""
+        hint = ""
+        if _OLD_EVAL_DATA in names:
+            hint = (f"; {_OLD_EVAL_DATA} is evaluation text an older mpfa's benchmarks.accuracy.data fetched here: "
+                    "move it to ~/.cache/mpfa-eval-data (MPFA_EVAL_DATA_DIR), where that module keeps it now")
         return NotACacheError(
             f"{self.root} is not an mpfa kernel cache ({what}no {env.CACHE_MARKER} of mpfa's): {doing}; "
-            "point MPFA_CACHE_DIR at an empty or new folder, or at an existing mpfa cache")
+            f"point MPFA_CACHE_DIR at an empty or new folder, or at an existing mpfa cache{hint}")
 
     def _mark(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -202,20 +294,32 @@ class Store:
             tmp.unlink(missing_ok=True)
 
     def ensure(self) -> None:
-        """Make the folder a cache (marker and sub-folders); refuses a folder that holds other things."""
+        """Make the folder a cache (marker and sub-folders). NotACacheError for a folder that holds other things;
+        CacheDirError for one that cannot be written or whose sub-folders are links."""
         state = self.state()
         if state == "foreign":
             raise self._not_a_cache("refusing to build into it")
-        if state != "cache":
-            self._mark()
-        for d in _DIRS:
-            (self.root / d).mkdir(parents=True, exist_ok=True)
+        linked = self._linked_dirs()
+        if linked:
+            raise self._linked(linked[0], "refusing to build through it")
+        doing = f"writing its marker {env.CACHE_MARKER}"
+        try:
+            if state != "cache":
+                self._mark()
+            for d in _DIRS:
+                doing = f"creating {d}/"
+                (self.root / d).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheDirError(f"cannot use {self.root} as the kernel cache: {doing} failed: {_why(e)}; point "
+                                "MPFA_CACHE_DIR at a folder you can write") from None
 
     # ---- builds
 
     def check(self, uri: str) -> str:
         """'ok', 'missing', or 'corrupt' (manifest unreadable or the library's hash differs)."""
         folder = self.entry_dir(uri)
+        if self.lib_dir.is_symlink() or folder.is_symlink():
+            return "corrupt"   # never loaded through a link: a build refuses lib/ as one and replaces the entry
         if not folder.exists():
             return "missing"
         try:
@@ -232,15 +336,15 @@ class Store:
         if self.check(uri) == "ok":
             return self.library(uri), False
         self.ensure()
-        with self._lock(uri):
+        with self._locked(uri):
             state = self.check(uri)
             if state == "ok":          # another process built it while we waited
                 return self.library(uri), False
             if state == "corrupt":
                 log.warning("mpfa_jit: cache entry %s is corrupt; rebuilding", uri)
-                shutil.rmtree(self.entry_dir(uri), ignore_errors=True)
+                self._discard(self.entry_dir(uri))
             for stale in (self.root / "tmp").glob(f"{uri}.*"):
-                shutil.rmtree(stale, ignore_errors=True)   # left by a killed builder of this key
+                self._discard(stale)   # left by a killed builder of this key
             tmp = self.root / "tmp" / f"{uri}.{os.getpid()}.{next(_counter)}"
             log.info("mpfa_jit: building %s", spec.key)
             try:
@@ -254,11 +358,11 @@ class Store:
                 (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
                 published_here = self._publish(tmp, uri)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                self._discard(tmp)
                 raise
             if not published_here:
                 return self.library(uri), False
-            shutil.rmtree(self.failed_dir(uri), ignore_errors=True)   # an older failure of this key is moot
+            self._discard(self.failed_dir(uri))   # an older failure of this key is moot
             with open(self.root / "builds.log", "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} pid={os.getpid()} built {uri} in {seconds:.1f}s\n")
             log.info("mpfa_jit: built %s in %.1f s", spec.key, seconds)
@@ -274,11 +378,11 @@ class Store:
         except OSError:
             if self.check(uri) != "ok":
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._discard(tmp)
             return False
 
     def remove(self, uri: str) -> None:
-        shutil.rmtree(self.entry_dir(uri), ignore_errors=True)
+        self._discard(self.entry_dir(uri))
 
     # ---- inspection and cleanup (the ``python -m mpfa_jit.cache`` commands)
 
@@ -290,24 +394,50 @@ class Store:
             raise self._not_a_cache(doing)
         return state != "empty"
 
-    def entries(self) -> list[Entry]:
-        out = []
-        if not self.lib_dir.is_dir():
-            return out
-        for folder in sorted(self.lib_dir.iterdir()):
-            if folder.is_symlink() or not folder.is_dir():
+    def contents(self) -> Contents:
+        """The cache's folders read without following a link (see Contents)."""
+        out = Contents()
+        for d in _DIRS:
+            top = self.root / d
+            if top.is_symlink():
+                out.links.append(top)
                 continue
             try:
-                manifest = json.loads((folder / "manifest.json").read_text())
-            except (OSError, ValueError):
-                manifest = {}
-            out.append(Entry(folder.name, folder, manifest, _tree_bytes(folder)))
+                children = sorted(top.iterdir())
+            except FileNotFoundError:
+                continue
+            except NotADirectoryError:
+                out.foreign.append(d)
+                continue
+            for path in children:
+                if path.is_symlink():
+                    out.links.append(path)
+                    continue
+                key = _build_key(d, path)
+                if key is not None:
+                    out.builds.setdefault(key, []).append(path)
+                elif not (d == "locks" and path.name.endswith(".lock") and path.is_file()):
+                    out.foreign.append(f"{d}/{path.name}")
         return out
+
+    def entries(self) -> list[Entry]:
+        """The published builds: folders of lib/ holding a manifest. Anything else there is not a kernel."""
+        out = []
+        for paths in self.contents().builds.values():
+            for folder in paths:
+                if folder.parent != self.lib_dir:
+                    continue
+                try:
+                    manifest = json.loads((folder / "manifest.json").read_text())
+                except (OSError, ValueError):
+                    manifest = {}
+                out.append(Entry(folder.name, folder, manifest, _tree_bytes(folder)))
+        return sorted(out, key=lambda e: e.uri)
 
     def failed(self) -> list[Path]:
         """The kept folders of failed builds."""
-        folder = self.root / "failed"
-        return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+        failed = self.root / "failed"
+        return sorted(p for paths in self.contents().builds.values() for p in paths if p.parent == failed)
 
     def size(self) -> int:
         """Bytes of the cache's files; NotACacheError for a folder that is not one."""
@@ -317,49 +447,46 @@ class Store:
 
     def clear(self) -> Cleared:
         """Delete every build the cache recognises (published, in progress of a dead builder, failed) and
-        its logs; keeps the marker, the (empty) lock files, the sub-folders, anything unrecognised, and the files of a key
-        whose build is running (skipped, named in ``busy``). NotACacheError for a folder that is not a cache."""
+        its logs; keeps the marker, the lock files there were, the sub-folders, anything unrecognised, and the files
+        of a key whose build is running (skipped, named in ``busy``). Symbolic links where the cache keeps its
+        folders or entries are unlinked, never followed (named in ``unlinked``). NotACacheError for a folder that is
+        not a cache."""
         done = Cleared()
         if not self.require_cache("deleting nothing"):
             return done
+        for linked in self._linked_dirs():   # before ensure(), which refuses them; the real folder is made anew
+            self._unlink(linked, done)
         self.ensure()   # adopts an older mpfa's cache: the marker keeps it recognised once lib/ is empty
-        by_uri: dict[str, list[Path]] = {}
-        for folder in sorted(self.lib_dir.iterdir()):
-            if not folder.is_symlink() and (folder / "manifest.json").is_file():
-                by_uri.setdefault(folder.name, []).append(folder)
-            else:
-                done.foreign.append(f"lib/{folder.name}")
-        for folder in sorted((self.root / "tmp").iterdir()):
-            m = _BUILD_DIR.match(folder.name)
-            if m:
-                by_uri.setdefault(m["uri"], []).append(folder)
-            else:
-                done.foreign.append(f"tmp/{folder.name}")
-        for folder in sorted((self.root / "failed").iterdir()):
-            if not folder.is_symlink() and folder.is_dir():
-                by_uri.setdefault(folder.name, []).append(folder)
-            else:
-                done.foreign.append(f"failed/{folder.name}")
-        for lock_file in sorted((self.root / "locks").iterdir()):
-            if lock_file.name.endswith(".lock") and not lock_file.is_symlink():
-                by_uri.setdefault(lock_file.name[: -len(".lock")], [])
-            else:
-                done.foreign.append(f"locks/{lock_file.name}")
-        for uri, paths in by_uri.items():
-            lock = self._lock(uri, timeout=0)
+        contents = self.contents()
+        for link in contents.links:
+            self._unlink(link, done)
+        done.foreign = contents.foreign
+        for uri, paths in contents.builds.items():
+            lock = self._existing_lock(uri)
             try:
-                lock.acquire()
+                if lock is not None:
+                    lock.acquire()
             except Timeout:             # a build of this key is running: its files stay
                 done.busy.append(uri)
                 continue
             try:
                 for path in paths:
-                    done.freed += _remove(path)
+                    done.freed += self._delete(path)
                     done.removed += 1
                 # Lock files stay (empty): unlinking a held lock lets a process waiting on the old file and a
                 # new one on a fresh file build the key at once, and each sweeps the other's tmp folder.
             finally:
-                lock.release()
+                if lock is not None:
+                    lock.release()
         for name in _FILES:
-            done.freed += _remove(self.root / name)
+            done.freed += self._delete(self.root / name)
         return done
+
+    def _existing_lock(self, uri: str) -> FileLock | None:
+        """The key's lock (not yet held) if its file exists, else None: then no builder of the key is running, as
+        a builder takes the lock before it makes its tmp folder, and taking the lock would create the file."""
+        return self._lock(uri, timeout=0) if os.path.lexists(self._lock_path(uri)) else None
+
+    def _unlink(self, link: Path, done: Cleared) -> None:
+        self._delete(link)
+        done.unlinked.append(str(link.relative_to(self.root)))

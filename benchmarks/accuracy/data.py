@@ -1,4 +1,8 @@
-"""Real text for the model-level evaluation, fetched at run time into a cache folder, never committed.
+"""Real text for the model-level evaluation, fetched at run time into a data folder, never committed.
+
+The folder: ``--data-dir``, else ``MPFA_EVAL_DATA_DIR``, else ``~/.cache/mpfa-eval-data``. It is kept apart
+from mpfa's kernel cache (``MPFA_CACHE_DIR``, default ``~/.cache/mpfa``), which refuses a folder holding
+anything but its own builds: a data folder inside the kernel cache is refused here.
 
 * KJV: Debian's ``bible-kjv-text`` (compressed ``bible.data``) and ``bible-kjv`` (its reader, the
   ``bible`` program): ``apt-get download`` + ``dpkg-deb -x`` into ``<data_dir>/debs``, then the
@@ -23,13 +27,28 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-DEFAULT_DATA_DIR = Path(os.environ.get("MPFA_EVAL_DATA", Path.home() / ".cache" / "mpfa" / "eval-data"))
+from mpfa_jit import env
+
+DATA_DIR_ENV = "MPFA_EVAL_DATA_DIR"
+
+
+def default_data_dir() -> Path:
+    """``MPFA_EVAL_DATA_DIR``, else ``~/.cache/mpfa-eval-data``: beside the kernel cache, not in it."""
+    raw = os.environ.get(DATA_DIR_ENV)
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "mpfa-eval-data"
+
+
+DEFAULT_DATA_DIR = default_data_dir()   # read at import: the --data-dir default of the CLIs
 KJV_PACKAGES = ("bible-kjv-text", "bible-kjv")
 _LABEL = re.compile(r"^\S+\d+:\d+\s+")
 
 
 class DataUnavailable(RuntimeError):
     """The text cannot be had here (no apt-get / network, no prefetched file)."""
+
+
+class DataDirError(DataUnavailable, ValueError):
+    """The data folder asked for cannot hold the text: it lies inside mpfa's kernel cache."""
 
 
 def _apt_download(pkgs, dest: Path) -> list[Path]:
@@ -45,12 +64,25 @@ def _apt_download(pkgs, dest: Path) -> list[Path]:
     return debs
 
 
-def fetch_kjv(data_dir: Path | str = DEFAULT_DATA_DIR) -> Path:
-    """``<data_dir>/kjv.txt``, fetching and decoding it first if absent."""
-    data_dir = Path(data_dir)
+def check_outside_kernel_cache(data_dir: Path) -> None:
+    """DataDirError when ``data_dir`` is, or lies inside, mpfa's kernel cache: the cache refuses a folder that holds
+    anything but its builds, so text there would stop every build and ``cache list``."""
+    cache = env.cache_dir().resolve()
+    where = Path(data_dir).expanduser().resolve()
+    if where == cache or where.is_relative_to(cache):
+        raise DataDirError(f"data folder {data_dir} lies inside mpfa's kernel cache {cache} (MPFA_CACHE_DIR), "
+                           f"which holds only its own builds: pass --data-dir or set {DATA_DIR_ENV} to another "
+                           "folder (default ~/.cache/mpfa-eval-data)")
+
+
+def fetch_kjv(data_dir: Path | str | None = None) -> Path:
+    """``<data_dir>/kjv.txt`` (default: default_data_dir()), fetching and decoding it first if absent;
+    DataDirError for a folder inside the kernel cache."""
+    data_dir = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     txt = data_dir / "kjv.txt"
     if txt.is_file() and txt.stat().st_size > 1_000_000:
         return txt
+    check_outside_kernel_cache(data_dir)   # before anything is written there
     debdir = data_dir / "debs"
     debs = sorted(debdir.glob("*.deb")) if debdir.is_dir() else []
     if len(debs) < len(KJV_PACKAGES):
@@ -73,7 +105,7 @@ def fetch_kjv(data_dir: Path | str = DEFAULT_DATA_DIR) -> Path:
     return txt
 
 
-def kjv_text(data_dir: Path | str = DEFAULT_DATA_DIR) -> str:
+def kjv_text(data_dir: Path | str | None = None) -> str:
     return fetch_kjv(data_dir).read_text()
 
 
@@ -95,7 +127,7 @@ def stdlib_text(max_chars: int = 4_000_000) -> str:
     return "\n".join(parts)
 
 
-def text(name: str, data_dir: Path | str = DEFAULT_DATA_DIR) -> str:
+def text(name: str, data_dir: Path | str | None = None) -> str:
     if name == "kjv":
         return kjv_text(data_dir)
     if name == "stdlib":
@@ -103,15 +135,25 @@ def text(name: str, data_dir: Path | str = DEFAULT_DATA_DIR) -> str:
     raise ValueError(f"text must be 'kjv' or 'stdlib', got {name!r}")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.data", description=__doc__,
+    ap = _Parser(prog="python -m benchmarks.accuracy.data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help=f"where the text is kept (default: ${DATA_DIR_ENV}, else ~/.cache/mpfa-eval-data; "
+                         "never inside the kernel cache, MPFA_CACHE_DIR)")
     args = ap.parse_args(argv)
     try:
         p = fetch_kjv(args.data_dir)
+    except DataDirError as e:
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2
     except DataUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 1
     print(f"{p}: {p.stat().st_size:,} bytes")
     return 0
