@@ -1,7 +1,7 @@
 """A kernel specialization: which template, rendered with which parameters, for which arch.
 
 The key names what a caller asked for; the URI adds a hash of everything that decides the built
-bytes (rendered source, every header, nvcc flags, compiler version), so a changed template or a
+bytes (rendered source, the headers it includes, nvcc flags, compiler version), so a changed template or a
 new compiler never loads an old build.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import env
-from .render import header_sources, render
+from .render import included_headers, render
 
 _SAFE = re.compile(r"[^A-Za-z0-9.]+")
 
@@ -50,9 +50,10 @@ class KernelSpec:
         ]
 
     def digest(self, source: str | None = None) -> str:
+        source = source if source is not None else self.render()
         h = hashlib.sha256()
-        h.update((source if source is not None else self.render()).encode())
-        for name, text in header_sources():
+        h.update(source.encode())
+        for name, text in included_headers(source):
             h.update(name.encode() + b"\0" + text.encode())
         h.update(" ".join(self.nvcc_flags()).encode())
         h.update(env.compiler_id().encode())
