@@ -6,7 +6,10 @@ kernel dequantizes K without its token scale and runs an fp16 MMA on it.
 The fp16 arithmetic is emulated as the hardware does it: the operation's exact result (float64 holds
 every product and sum here exactly) rounded once to fp16. The constants are the header's: a test reads
 them from the functions' bodies, so a change on one side fails here until the emulation follows."""
+import functools
 import re
+import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,9 @@ import torch
 from mpfa.recipes import int8 as I8
 from mpfa.recipes.int8 import rope_low_channels
 
-MMA_FRAG = Path(__file__).resolve().parents[2] / "templates" / "include" / "mpfa" / "mma_frag.cuh"
+INCLUDE = Path(__file__).resolve().parents[2] / "templates" / "include"
+MMA_FRAG = INCLUDE / "mpfa" / "mma_frag.cuh"
+DECODE_MMA = "mpfa/decode/mma.cuh"
 
 # the header's constants, per function
 S8_EXP, S8_FLIP, S8_BIAS, S8_SEL_LO, S8_SEL_HI = 0x64646464, 0x80808080, 0x64806480, 0x4140, 0x4342
@@ -164,28 +169,90 @@ def test_s4x8_every_nibble_value_position_and_block_scale_is_exact():
         assert np.array_equal(lo, want[:, k]) and np.array_equal(hi, want[:, k + 4]), k
 
 
+# --- the decode kernel's lane mapping, compiled from decode/mma.cuh ----------------------------------------------
+# k_dim (the physical channel of a thread's local K dim) and qk_scores' per-lane offsets into the k8 bytes,
+# the nibble bytes and the block scales are read from the header itself: nvcc compiles the real header in
+# the real qk4pv8 specialization (templates/decode.cu.jinja's constants) into a host program that prints
+# them. k_dim is __device__; the program's copy of the header differs in that one specifier
+# (__host__ __device__), and qk_scores' three offset expressions are taken from its loads by a pattern that
+# must match exactly once: an edit that changes the header's shape fails here until this follows.
+_K_DIM = "__device__ __forceinline__ int k_dim(int c, int l) {"
+_LANE_LOADS = {   # name -> the load it is read from (the offset expression of lane c is the group)
+    "k8": r"load_words<kK8B>\(st \+ kOffK8 \+ row \* Layout::k8_bytes \+ ([^,;]+), k8w\[r\]\);",
+    "k4": r"load_words<kK4B>\(st \+ kOffK \+ row \* Layout::k_bytes \+ ([^,;]+), k4w\[r\]\);",
+    "bs": r"i4rs_block_scale_f16x2\(st\[kOffBs \+ row \* Layout::k_block_scale_bytes \+ ([^\]]+)\]\);",
+}
+
+
+def _one(pattern_or_text, src, what, regex=True):
+    found = re.findall(pattern_or_text, src) if regex else [pattern_or_text] * src.count(pattern_or_text)
+    if len(found) != 1:
+        raise AssertionError(f"{DECODE_MMA}: expected exactly one {what}, found {len(found)}: the header changed "
+                             "shape; update tests/cpu/test_decode_int_conversions.py's reading of it")
+    return found[0]
+
+
+@functools.cache
+def header_lane_mapping(head_dim: int, include: Path = INCLUDE) -> dict:
+    """What decode/mma.cuh (under ``include``) computes for qk4pv8 at ``head_dim``, per quad lane c:
+    ``k_dim[c][l]`` for every local dim l, and the first byte of its k8 bytes, of its nibble bytes and the index
+    of its block scale within a row; ``k8b``, ``k4b``: bytes of each it loads."""
+    from mpfa_jit import env
+    from mpfa_jit.ops import decode as decode_op
+    src = (include / DECODE_MMA).read_text()
+    _one(_K_DIM, src, "k_dim definition", regex=False)
+    offsets = {name: _one(pat, src, f"qk_scores {name} load").strip() for name, pat in _LANE_LOADS.items()}
+    rendered = decode_op.spec(recipe="qk4pv8", head_dim=head_dim, page_size=16, group_size=4, arch="sm_90a").render()
+    preamble = rendered.split('#include "mpfa/decode/kernel.cuh"')
+    assert len(preamble) == 2, "templates/decode.cu.jinja no longer includes mpfa/decode/kernel.cuh once"
+    main = "\n".join([
+        preamble[0], f'#include "{DECODE_MMA}"', "#include <cstdio>", "int main() {",
+        '  std::printf("k8b %d k4b %d\\n", kK8B, kK4B);',
+        "  for (int c = 0; c < 4; ++c) {",
+        f'    std::printf("lane %d %d %d %d\\n", c, int({offsets["k8"]}), int({offsets["k4"]}), int({offsets["bs"]}));',
+        '    for (int l = 0; l < kHeadDim / 4; ++l) std::printf("%d ", k_dim(c, l));',
+        '    std::printf("\\n");', "  }", "}", ""])
+    with tempfile.TemporaryDirectory(prefix="mpfa-mma-") as tmp:
+        tmp = Path(tmp)
+        (tmp / DECODE_MMA).parent.mkdir(parents=True)
+        (tmp / DECODE_MMA).write_text(src.replace(_K_DIM, "__host__ " + _K_DIM))   # beside main.cu: found first
+        (tmp / "main.cu").write_text(main)
+        build = subprocess.run([env.nvcc_path(), "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr",
+                                f"-I{include}", "-o", str(tmp / "mapping"), str(tmp / "main.cu")],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, f"nvcc could not compile {DECODE_MMA} for the host:\n{build.stderr[-3000:]}"
+        lines = subprocess.run([str(tmp / "mapping")], capture_output=True, text=True, check=True).stdout.splitlines()
+    k8b, k4b = (int(x) for x in lines[0].split()[1::2])
+    lanes = [[int(x) for x in line.split()[1:]] for line in lines[1::2]]
+    return {"k8b": k8b, "k4b": k4b, "k_dim": [[int(x) for x in line.split()] for line in lines[2::2]],
+            "k8": [r[1] for r in lanes], "k4": [r[2] for r in lanes], "bs": [r[3] for r in lanes]}
+
+
+@pytest.mark.nvcc
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_threads_k_operand_is_the_references_int8_row(head_dim):
-    """The kernel's qk4pv8 K operand (decode/mma.cuh qk_scores): quad lane c converts k8 bytes
-    [c D/8, (c+1) D/8) and k bytes [c D/16, (c+1) D/16) with the block scale at c * (D/8) / 16; together
-    the four lanes must give i4rs_to_int8's values on the low and the nibble channels."""
+    """The kernel's qk4pv8 K operand (decode/mma.cuh qk_scores, compiled): quad lane c converts the k8 bytes and
+    the nibble bytes at the header's offsets with the block scale at the header's index; together the four lanes
+    must give i4rs_to_int8's values on the low and the nibble channels."""
+    m = header_lane_mapping(head_dim)
     g = torch.Generator().manual_seed(head_dim)
     x = torch.randn(64, head_dim, generator=g) * torch.linspace(0.1, 4.0, head_dim) * torch.rand(64, 1, generator=g)
     k8, k4, bs, _ = I8.quantize_i4rs(x)
     ref = I8.i4rs_to_int8(k8, k4, bs).numpy().astype(np.float64)
     low = rope_low_channels(head_dim).numpy()
-    k8b, k4b = head_dim // 8, head_dim // 16
     got_low, got_nib = [], []
     for c in range(4):
-        w8 = _words(k8.view(torch.uint8).numpy()[:, c * k8b:(c + 1) * k8b])
+        w8 = _words(k8.view(torch.uint8).numpy()[:, m["k8"][c]:m["k8"][c] + m["k8b"]])
         for i in range(w8.shape[1]):
             lo, hi = s8x4_to_f16x2(w8[:, i])
             got_low += [*_halves(lo), *_halves(hi)]
-        scale = i4rs_block_scale_f16x2(bs.numpy()[:, c * k8b // 16].astype(np.uint64))
-        w4 = _words(k4.numpy()[:, c * k4b:(c + 1) * k4b])
+        assert 0 <= m["bs"][c] < bs.shape[1], f"lane {c} reads block scale {m['bs'][c]} of {bs.shape[1]}"
+        scale = i4rs_block_scale_f16x2(bs.numpy()[:, m["bs"][c]].astype(np.uint64))
+        w4 = _words(k4.numpy()[:, m["k4"][c]:m["k4"][c] + m["k4b"]])
         for i in range(w4.shape[1]):
             pairs = [_halves(o) for o in s4x8_to_f16x2_scaled(w4[:, i], scale)]
             got_nib += [pairs[k % 4][k // 4] for k in range(8)]
+    assert len(got_low) == low.sum() and len(got_nib) == (~low).sum(), "the four lanes must cover every channel once"
     assert np.array_equal(np.stack(got_low, axis=1), ref[:, low])
     assert np.array_equal(np.stack(got_nib, axis=1), ref[:, ~low])
 
@@ -197,17 +264,20 @@ def test_q_is_packed_in_the_nibble_pairs_of_the_header():
     assert "s4x8_pair_lo(int k) { return k; }" in src and "s4x8_pair_hi(int k) { return k + 4; }" in src
 
 
+@pytest.mark.nvcc
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernel_split_k_channels_are_the_references_low_and_high_channels(head_dim):
-    """decode/mma.cuh k_dim (split K), transcribed: local dim l of quad lane c reads k8 byte c D/8 + l
-    (l < D/8) or nibble c D/8 + l - D/8; the channel it gives Q must be that byte's / nibble's channel
-    in i4rs's channel order (rope_low_channels)."""
-    k8b, half, quarter = head_dim // 8, head_dim // 2, head_dim // 4
+    """decode/mma.cuh k_dim (split K), compiled: local dim l of quad lane c reads its lane's l-th k8 byte (l < D/8)
+    or nibble; the channel it gives Q must be that byte's / nibble's channel in i4rs's channel order
+    (rope_low_channels), so every channel is read exactly once, by the lane that holds it."""
+    m = header_lane_mapping(head_dim)
     low = rope_low_channels(head_dim)
     low_ch, high_ch = torch.nonzero(low).flatten().tolist(), torch.nonzero(~low).flatten().tolist()
+    k8b = m["k8b"]
+    assert 2 * k8b == head_dim // 4, "each lane holds a quarter of the row"
     for c in range(4):
         for l in range(2 * k8b):
             is_low = l < k8b
-            idx = c * k8b + (l if is_low else l - k8b)
-            ch = (idx // quarter) * half + (quarter if is_low else 0) + idx % quarter
-            assert ch == (low_ch if is_low else high_ch)[idx], (c, l)
+            idx = m["k8"][c] + l if is_low else 2 * m["k4"][c] + l - k8b   # its byte / its nibble in the row
+            assert m["k_dim"][c][l] == (low_ch if is_low else high_ch)[idx], (c, l)
+    assert sorted(ch for lane in m["k_dim"] for ch in lane) == list(range(head_dim))

@@ -35,6 +35,11 @@ def _reference(q, layer, indptr, indices, lengths, sm_scale=None):
     return torch.stack(outs), torch.stack(lses)
 
 
+def _poisoned_like(q):
+    """An output buffer of NaN: an element the kernel leaves unwritten stays NaN and fails _check."""
+    return torch.full_like(q, float("nan"))
+
+
 def _rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
@@ -61,7 +66,7 @@ def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, paged
     w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, hkv * group, hkv, head_dim, page_size, recipe=recipe)
     assert w.backend == "cuda"
-    out = torch.full_like(q, float("nan"))
+    out = _poisoned_like(q)
     o, lse = w.run(q, layer, out=out, return_lse=True)
     assert o.data_ptr() == out.data_ptr()
     torch.cuda.synchronize()
@@ -81,7 +86,7 @@ def test_decode_remaining_group_sizes(recipe, group, paged_batch, bf16_rows, sha
     q = bf16_rows(len(lengths), hkv * group, head_dim, gen)
     w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, hkv * group, hkv, head_dim, page_size, recipe=recipe)
-    o, lse = w.run(q, layer, return_lse=True)
+    o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
     torch.cuda.synchronize()
     o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
     _check(o, lse, o_ref, lse_ref)
@@ -102,7 +107,7 @@ def test_forced_num_splits_agree(recipe, paged_batch, bf16_rows, shared_jit_cach
         w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
         if splits is not None:
             assert w.num_splits == splits
-        o, lse = w.run(q, layer, out=torch.full_like(q, float("nan")), return_lse=True)
+        o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
         torch.cuda.synchronize()
         _check(o, lse, o_ref, lse_ref)
         results.append(o.float())
@@ -128,7 +133,7 @@ def test_fixed_split_size_is_batch_invariant(recipe, paged_batch, bf16_rows, sha
     def run(num_splits, ip=indptr, ids=indices, lp=last, qq=q):
         w = mpfa.BatchDecodeWrapper(ws)
         w.plan(ip, ids, lp, hkv * group, hkv, d, p, recipe=recipe, num_splits=num_splits, fixed_split_size=512)
-        o, lse = w.run(qq, layer, out=torch.full_like(qq, float("nan")), return_lse=True)
+        o, lse = w.run(qq, layer, out=_poisoned_like(qq), return_lse=True)
         torch.cuda.synchronize()
         return w.num_splits, o.clone(), lse.clone()
 
@@ -182,7 +187,7 @@ def test_large_query_and_empty_request(paged_batch, bf16_rows, shared_jit_cache)
         q = (torch.randn(2, hkv * group, d, generator=gen, device="cuda") * 3e4).to(torch.bfloat16)
         w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, sm_scale=1e-4)
-        o, lse = w.run(q, layer, return_lse=True)
+        o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
         torch.cuda.synchronize()
         o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths, sm_scale=1e-4)
         _check(o, None, o_ref, lse_ref)
@@ -196,7 +201,7 @@ def test_large_query_and_empty_request(paged_batch, bf16_rows, shared_jit_cache)
     for splits in (1, 3):
         w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
         w.plan(indptr3, indices, last3, hkv * group, hkv, d, p, recipe="qk4pv8", num_splits=splits)
-        o, lse = w.run(q, layer, out=torch.full_like(q, float("nan")), return_lse=True)
+        o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
         torch.cuda.synchronize()
         assert (o[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] < 0).all()
         o_ref, lse_ref = _reference(q[[0, 2]], layer, indptr, indices, [50, 20])
@@ -245,7 +250,7 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shar
     w = mpfa.BatchDecodeWrapper(ws_graph)
     eager = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
     q = bf16_rows(batch, hkv * group, d, gen)
-    out = torch.empty_like(q)
+    out = _poisoned_like(q)
     split_size = (lambda step: 64 * (1 + step % 4)) if refresh == "split_size" else (lambda step: None)
     w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits,
            fixed_split_size=split_size(-1))
@@ -264,11 +269,13 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shar
             w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
         else:   # split sizes 64..256 over up to 350 tokens: 3 splits hold it or the last takes a remainder
             w.update_page_table(indptr, indices, last, fixed_split_size=split_size(step))
+        out.fill_(float("nan"))   # each replay must write every element again
         graph.replay()
         eager.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits,
                    fixed_split_size=split_size(step))
-        o_e, lse_e = eager.run(q, layer, return_lse=True)
+        o_e, lse_e = eager.run(q, layer, out=_poisoned_like(q), return_lse=True)
         torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.isfinite(o_e).all(), f"step {step}: an output left unwritten"
         assert torch.equal(out, o_e), f"step {step}: graph replay differs from the eager run"
         assert torch.equal(lse_g, lse_e)
         if step % 10 == 9:
