@@ -285,8 +285,8 @@ class Store:
         # The marker appears whole or not at all (written aside, then hard-linked: of several threads or processes
         # creating the cache at once, one link succeeds), so no one reads it empty and takes the folder for foreign.
         tmp = self.root / f"{env.CACHE_MARKER}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(env.CACHE_MARKER_TEXT)
         try:
+            tmp.write_text(env.CACHE_MARKER_TEXT)   # a full disk leaves a partial temp file: removed below
             os.link(tmp, self.root / env.CACHE_MARKER)
         except FileExistsError:
             pass

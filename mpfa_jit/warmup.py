@@ -11,8 +11,8 @@ with the same message, and the kernels are exactly those the backend loads at st
 (mpfa.sglang.kernels). Needs nvcc, not a GPU (target: --arch, else MPFA_CUDA_ARCH, else the GPU's, else
 sm_90a). Prints a progress bar and a summary table (key, built or cached, seconds).
 
-Exit status: 0 every kernel is ready; 1 a build failed; 2 bad usage, or a model or setting the server
-would refuse; 130 interrupted (Ctrl-C).
+Exit status: 0 every kernel is ready; 1 a build failed, or the cache folder cannot be written; 2 bad usage, a
+model or setting the server would refuse, or an MPFA_CACHE_DIR holding other files; 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ from tqdm import tqdm
 
 from mpfa.recipes import RECIPES
 from mpfa.sglang.kernels import server_kernel_specs
+from mpfa.sglang.launch import server_settings
 from mpfa.sglang.model import UnsupportedModelError, check_hf_config, check_model_supported, read_hf_config
 from mpfa.sglang.settings import (ENV_CONFIG, ENV_PAGE_SIZE, ENV_RECIPE, PAGE_SIZES, MpfaConfigError,
                                   load_server_config, resolve_settings)
 
 from . import build_only, env
 from .errors import MpfaJitError
-from .store import Store
+from .store import NotACacheError, Store
 
 EXIT_OK, EXIT_BUILD_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -188,16 +189,17 @@ def server_plan(a, environ=None):
     heads = a.num_qo_heads is not None
     path = a.config or (None if (heads or a.model_path) else environ.get(ENV_CONFIG))
     config = load_server_config(path) if path else None
-    settings = resolve_settings(env=environ, config=config)
+    if config:   # what the launcher accepts, decided by the launcher's own function
+        settings, facts = server_settings(config, environ)
+        return settings, facts, str(config.path)
+    settings = resolve_settings(env=environ)
     if heads:
         facts = dict(num_qo_heads=a.num_qo_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim)
         check_model_supported(page_size=settings.page_size, recipe=settings.recipe, **facts)
         return settings, facts, "the given shape"
-    model_dir = a.model_path or config.model_dir
-    facts = check_hf_config(read_hf_config(model_dir), page_size=settings.page_size, recipe=settings.recipe,
-                            tp_size=config.tp_size if config else (a.tp_size or 1),
-                            where=os.path.join(str(model_dir), "config.json"))
-    return settings, facts, str(config.path if config else model_dir)
+    facts = check_hf_config(read_hf_config(a.model_path), page_size=settings.page_size, recipe=settings.recipe,
+                            tp_size=a.tp_size or 1, where=os.path.join(str(a.model_path), "config.json"))
+    return settings, facts, str(a.model_path)
 
 
 def kernel_specs(settings, facts: dict, arch: str):
@@ -205,6 +207,15 @@ def kernel_specs(settings, facts: dict, arch: str):
     return server_kernel_specs(num_qo_heads=facts["num_qo_heads"], num_kv_heads=facts["num_kv_heads"],
                                head_dim=facts["head_dim"], recipe=settings.recipe, page_size=settings.page_size,
                                arch=arch)
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line; an OSError also names the cache folder (its str() may name no file at all)."""
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        return f"cannot use {env.cache_dir()} as the kernel cache: {where}{e.strerror or e}; point MPFA_CACHE_DIR at " \
+               "a folder you can write"
+    return " ".join(str(e).split())
 
 
 def main(argv=None) -> int:
@@ -224,10 +235,17 @@ def _main(argv) -> int:
         arch = a.arch or default_arch()
         specs = kernel_specs(settings, facts, arch)   # checks the arch
         env.nvcc_path()
-        Store().ensure()   # an MPFA_CACHE_DIR that is not a cache is refused here, once, not per kernel
     except (MpfaConfigError, UnsupportedModelError, MpfaJitError, ValueError) as e:
         print(f"mpfa warmup: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        Store().ensure()   # an MPFA_CACHE_DIR that is not a cache is refused here, once, not per kernel
+    except NotACacheError as e:   # someone else's folder: the wrong MPFA_CACHE_DIR
+        print(f"mpfa warmup: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (MpfaJitError, OSError) as e:   # a cache that cannot be written (read-only, full): no kernel can be built
+        print(f"mpfa warmup: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
     print(f"mpfa warmup: {len(specs)} kernels for {what}: {facts['num_qo_heads']} query / {facts['num_kv_heads']} "
           f"KV heads per GPU, head_dim {facts['head_dim']}, recipe {settings.recipe}, page size {settings.page_size}, "
           f"{arch}, {jobs} jobs; cache {env.cache_dir()}", file=sys.stderr)

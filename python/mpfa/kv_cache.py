@@ -13,6 +13,9 @@ Fixed per (layer, KV head), for the whole server (so cached prefix pages stay sh
 """
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 
 from mpfa_jit.ops import append_kv as append_op
@@ -21,7 +24,7 @@ from .recipes import Recipe, get_recipe
 from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
 from .recipes.int8 import I4RS_BLOCK, dequantize_i4rs, dequantize_k_per_token, i4rs_to_int8
 from .recipes.smoothing import k_smoothing_mean
-from .validation import check_choice, check_positive_int
+from .validation import check_choice, check_positive_int, check_tensor
 
 # The cache serves what the append kernel writes.
 HEAD_DIMS, PAGE_SIZES = append_op.HEAD_DIMS, append_op.PAGE_SIZES
@@ -33,6 +36,12 @@ _DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8,
 # 4,096 calibration tokens, as with headroom 2) and keeps a 3-token sample unsaturated (headroom 2:
 # 16% of later values clipped, rel-L2 34%).
 V_HEADROOM = 256.0
+# The headroom calibrate accepts: at least 1 (below, the sample's own largest values saturate at 448), and at most
+# what keeps the sample's largest value at E4M3's smallest normal 2^-6 or above (448 / 2^-6): past it the sample
+# itself is stored as subnormals with fewer than 4 significant bits, and past 448 / 2^-10 V is stored as zeros.
+E4M3_MIN_NORMAL = 2.0 ** -6
+V_HEADROOM_RANGE = (1.0, E4M3_MAX / E4M3_MIN_NORMAL)
+_SAMPLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class KVCacheLayer:
@@ -104,9 +113,8 @@ class PagedKVCache:
         check_choice("head_dim", head_dim, HEAD_DIMS)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _check_device(device)
+        self._check_fits()
         lead = (num_layers, num_pages, num_kv_heads, page_size)
         self.fields = {}
         for f in self.recipe.fields:
@@ -119,6 +127,21 @@ class PagedKVCache:
         # Tokens the append kernel skipped because their slot was at or past num_slots (a kernel in a CUDA
         # graph cannot raise): int32 [1] on the device, read and reset by check_append_slots().
         self.out_of_range_slots = torch.zeros(1, dtype=torch.int32, device=self.device)
+
+    def _check_fits(self) -> None:
+        """Refuse, before allocating, a cache larger than the device can hold (torch's own failure names neither
+        the argument nor the size, and a CPU allocation may succeed lazily and fail later as it is zeroed)."""
+        per_slot = sum((1 if f.per_row == "1" else f.numel(self.head_dim)) * _DTYPES[f.dtype].itemsize
+                       for f in self.recipe.fields)
+        scales = 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4   # mu_k, v_scale (float32)
+        need = self.num_layers * self.num_pages * self.page_size * self.num_kv_heads * per_slot + scales
+        have = _device_capacity(self.device)
+        if have is not None and need > have:
+            raise ValueError(
+                f"num_pages={self.num_pages} needs {need} bytes ({need / 2**30:.1f} GiB: {self.num_layers} layers x "
+                f"{self.num_pages} pages x {self.page_size} tokens x {self.num_kv_heads} KV heads x {per_slot} B, "
+                f"plus the scales) but {self.device} has {have} bytes ({have / 2**30:.1f} GiB) "
+                f"{'free' if self.device.type == 'cuda' else 'of memory'}: lower num_pages (or num_layers)")
 
     @property
     def num_slots(self) -> int:
@@ -163,10 +186,15 @@ class PagedKVCache:
 
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, headroom: float = V_HEADROOM,
                   nonfinite: str = "raise") -> int:
-        """Fix ``layer``'s mu_K and V channel scales from sample keys and values ``[tokens, H_kv, D]``
-        (e.g. the first prefill). V scale = headroom * amax / 448 per channel, so later values up to
+        """Fix ``layer``'s mu_K and V channel scales from sample keys and values ``[tokens, H_kv, D]``, floating
+        point (e.g. the first prefill). V scale = headroom * amax / 448 per channel, so later values up to
         ``headroom`` times the sample's stay unsaturated. Call before the layer's first append:
         rows already written keep the scales they were written with.
+
+        ``headroom`` is a finite number in [1, 28672] (``V_HEADROOM_RANGE``): below 1 the sample's own
+        largest values saturate (0 or a negative value breaks every scale); above 448 / 2^-6 = 28672 the
+        sample's largest value falls below E4M3's smallest normal, so V keeps fewer than 4 significant bits
+        (and past 448 / 2^-10 it is stored as zeros).
 
         A non-finite mean or amax would become a fixed scale of the layer and turn every later K or V of
         that channel into NaN for the cache's life. ``nonfinite="raise"`` (the default) refuses samples
@@ -174,9 +202,11 @@ class PagedKVCache:
         amax (what a server does, so one bad request cannot stop it). Returns the number of non-finite
         elements left out."""
         check_choice("nonfinite", nonfinite, ("raise", "ignore"))
+        _check_headroom(headroom)
         idx = self.layer(layer).index
         ignored = 0
         for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, dtypes=_SAMPLE_DTYPES)   # an integer sample has no scale: its mean is not K's
             if t.dim() != 3 or t.shape[1:] != (self.num_kv_heads, self.head_dim) or t.shape[0] == 0:
                 raise ValueError(f"{name} must be [tokens > 0, {self.num_kv_heads}, {self.head_dim}], got {tuple(t.shape)}")
             bad = int((~torch.isfinite(t)).sum())
@@ -203,3 +233,46 @@ class PagedKVCache:
         return (f"PagedKVCache(recipe={self.recipe.name!r}, num_layers={self.num_layers}, num_pages={self.num_pages}, "
                 f"page_size={self.page_size}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"device={str(self.device)!r}, {self.bytes_per_token_head} B/token/head)")
+
+
+def _check_headroom(headroom) -> None:
+    lo, hi = V_HEADROOM_RANGE
+    ok = isinstance(headroom, (int, float)) and not isinstance(headroom, bool) and math.isfinite(headroom)
+    if not ok or not lo <= headroom <= hi:
+        raise ValueError(f"headroom must be a finite number in [{lo:g}, {hi:g}] (V scale = headroom * amax / 448: "
+                         f"below 1 the sample saturates, above {hi:g} it falls below E4M3's normal range), "
+                         f"got {headroom!r}")
+
+
+def _check_device(device) -> torch.device:
+    """``device`` as a torch.device with its index, or ValueError naming it when this torch cannot use it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch device such as 'cuda', 'cuda:1' or 'cpu', got {device!r}") from None
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA GPU"
+        raise ValueError(f"device={device!r}: {why} (torch {torch.__version__}); pass device='cpu' and use "
+                         "backend='reference', or install a CUDA torch on a GPU machine")
+    count = torch.cuda.device_count()
+    if dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= count:
+        raise ValueError(f"device={device!r}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return dev
+
+
+def _device_capacity(device: torch.device) -> int | None:
+    """Bytes a new cache can take on ``device``: free GPU memory (with what torch's allocator holds unused), the
+    machine's physical memory for the CPU; None where unknown (e.g. 'meta')."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):   # a platform without these names
+            return None
+    return None

@@ -7,7 +7,9 @@ import torch
 
 
 def check_choice(name: str, value, accepted) -> None:
-    if value not in accepted or isinstance(value, bool):
+    # Of the accepted value's type too: 16.0 == 16 and True == 1, but a float head_dim or page size would reach
+    # torch shapes and the kernels' integer fields.
+    if not any(type(value) is type(a) and value == a for a in accepted):
         raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")
 
 

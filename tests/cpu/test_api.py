@@ -1,6 +1,8 @@
 """The public API on the CPU with ``backend="reference"``: the paged cache, append_kv, the prefill and
 decode wrappers (plan/run), and the argument checks (every error names the argument and what is
 accepted). On CPU tensors ``backend="auto"`` must refuse rather than fall back silently."""
+import re
+
 import pytest
 import torch
 
@@ -127,6 +129,45 @@ def test_calibrate_bad_args():
         c.calibrate(2, k, k)
 
 
+@pytest.mark.parametrize("headroom", [0.0, 0.5, -1.0, float("nan"), float("inf"), 1e6, True, "2", None])
+def test_calibrate_refuses_headroom_outside_its_range(headroom):
+    """V scale = headroom * amax / 448: 0 stored V as zeros, NaN made every output NaN, -1 negative scales, < 1
+    saturates the sample, > 448 / 2^-6 pushes it below E4M3's normal range. Nothing is changed by a refusal."""
+    c = _cache("qk4pv8", heads=2, d=64)
+    k = torch.randn(4, 2, 64)
+    match = r"headroom must be a finite number in \[1, 28672\].*got " + re.escape(repr(headroom))
+    with pytest.raises(ValueError, match=match):
+        c.calibrate(0, k, k, headroom=headroom)
+    assert (c.v_scale == 1).all() and (c.mu_k == 0).all()
+
+
+def test_calibrate_accepts_the_ends_of_the_headroom_range():
+    c = _cache("qk4pv8", heads=2, d=64)
+    v = torch.randn(4, 2, 64)
+    amax = v.abs().amax(0)
+    for headroom in (1, 28672.0):
+        c.calibrate(0, v, v, headroom=headroom)
+        assert torch.equal(c.v_scale[0], amax * headroom / 448)
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("bad, match", [
+    (torch.ones(4, 2, 64, dtype=torch.int8), r"must have dtype torch\.bfloat16 or torch\.float16 or torch\.float32 or "
+                                             r"torch\.float64, got torch\.int8"),
+    (torch.ones(4, 2, 64, dtype=torch.int32), r"must have dtype .*got torch\.int32"),
+    (torch.ones(4, 2, 64).tolist(), r"must be a torch\.Tensor, got list"),
+    (None, r"must be a torch\.Tensor, got NoneType"),
+])
+def test_calibrate_refuses_samples_that_are_not_float_tensors(name, bad, match):
+    """An integer sample's amax is not V's (int8 samples stored scales of 127 / 448), a list had no .dim()."""
+    c = _cache("qk4pv8", heads=2, d=64)
+    args = dict(k=torch.randn(4, 2, 64), v=torch.randn(4, 2, 64))
+    args[name] = bad
+    with pytest.raises(ValueError, match=f"^{name} " + match):
+        c.calibrate(0, **args)
+    assert (c.v_scale == 1).all() and (c.mu_k == 0).all()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(recipe="fp4"), r"recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
     (dict(page_size=8), r"page_size must be one of \[1, 16, 32, 64\], got 8"),
@@ -135,6 +176,15 @@ def test_calibrate_bad_args():
     (dict(num_layers=0), r"num_layers must be a positive int, got 0"),
     (dict(num_pages=-3), r"num_pages must be a positive int, got -3"),
     (dict(num_kv_heads=2.0), r"num_kv_heads must be a positive int, got 2.0"),
+    # a float that equals an accepted value is still not one (torch refused the shape naming no argument)
+    (dict(head_dim=64.0), r"head_dim must be one of \[64, 128, 256\], got 64.0"),
+    (dict(page_size=16.0), r"page_size must be one of \[1, 16, 32, 64\], got 16.0"),
+    (dict(num_layers=True), r"num_layers must be a positive int, got True"),
+    (dict(device="bogus"), r"device must be a torch device such as 'cuda', 'cuda:1' or 'cpu', got 'bogus'"),
+    # checked before allocating: 2^40 pages of 2 layers x 16 tokens x 2 heads x 120 B (qk4pv8, head_dim 64)
+    (dict(num_pages=2 ** 40), rf"num_pages=1099511627776 needs {2 * 2 ** 40 * 16 * 2 * 120 + 2 * 2 * 2 * 64 * 4} bytes "
+                              r"\(.* GiB: 2 layers x 1099511627776 pages x 16 tokens x 2 KV heads x 120 B, plus the "
+                              r"scales\) but cpu has \d+ bytes .*: lower num_pages"),
 ])
 def test_cache_bad_constructor_args(kwargs, match):
     args = dict(recipe="qk4pv8", num_layers=2, num_pages=4, page_size=16, num_kv_heads=2, head_dim=64, device="cpu")
@@ -142,6 +192,16 @@ def test_cache_bad_constructor_args(kwargs, match):
     recipe = args.pop("recipe")
     with pytest.raises(ValueError, match=match):
         mpfa.PagedKVCache(recipe, **args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a usable CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cache_on_a_cuda_device_this_torch_cannot_use(device):
+    """Was torch's AssertionError ("Torch not compiled with CUDA enabled"), naming neither argument nor fix."""
+    with pytest.raises(ValueError, match=rf"device={re.escape(repr(device))}: (this torch is built without CUDA|torch "
+                                         r"sees no CUDA GPU) .*pass device='cpu' and use backend='reference'"):
+        mpfa.PagedKVCache("qk4pv8", num_layers=1, num_pages=4, page_size=16, num_kv_heads=2, head_dim=64,
+                          device=device)
 
 
 @pytest.mark.parametrize("index", [2, -1, 1.0, "0", True])
@@ -191,16 +251,57 @@ def test_append_reference_writes_exactly_the_slots(recipe, page_size):
             assert torch.isnan(rest.float()).all(), name
             assert torch.isnan(c.fields[name][0].float()).all()
 
-    # Dequantized rows are close to the inputs.
+    # Dequantized rows are within the formats' rounding error of the inputs.
     kd, vd = layer.dequantize(torch.float64, add_mean=True)
     kd, vd = kd[page, :, off], vd[page, :, off]
     kk, vv = k[keep].double(), v[keep].double()
     if recipe == "bf16":
         assert torch.equal(kd, kk) and torch.equal(vd, vv)
     else:
-        assert _rel(vd, vv) < 0.05
-        assert _rel(kd, kk) < (0.05 if recipe == "qk8pv8" else 0.15)
+        _assert_v_within_e4m3_error(vd, vv, layer.v_scale.double())
+        _assert_k_within_format_error(c.recipe.k_format, kd, kk, layer.mu_k.double())
         assert _rel(kd, kk) > 0            # it is quantized
+
+
+# The formats' error bounds, derived from their definitions (mpfa/recipes/fp8.py, int8.py), not read off a run.
+# The quantizers' float32 steps (K - mu_K, one reciprocal, one multiply, the dequantizing product) each round by
+# at most 2^-24 of the value involved; F32 = 2^-21 of the row's magnitude covers them with room to spare.
+F32 = 2.0 ** -21
+
+
+def _assert_v_within_e4m3_error(vd, v, scale):
+    """FP8 V under fixed channel scales, unsaturated (calibration leaves 256x headroom): y = v / scale is rounded
+    to E4M3 (3 mantissa bits): a half-step of at most 2^-4 |y| where y is normal (|y| >= 2^-6), at most 2^-10 where
+    it is subnormal (step 2^-9). So every element: |vd - v| <= 2^-4 |v| + 2^-10 scale."""
+    bound = 2 ** -4 * v.abs() + 2 ** -10 * scale + F32 * (v.abs() + scale)
+    err = (vd - v).abs()
+    assert (err <= bound).all(), f"V off by {(err / bound).max().item():.3f}x the E4M3 error bound"
+
+
+def _assert_k_within_format_error(k_format, kd, k, mu):
+    """K - mu_K quantized per (token, head) row under s = amax / target. INT8 (target 127): rni leaves every
+    element within s / 2 = amax / 254. i4rs (target 126): the low-frequency half is INT8 rni (within s / 2); each
+    16-channel block of the other half takes the block scale b* of least squared error, which is never worse than
+    the rounded-up scale b_up = ceil(amax_block(|y|) / 7) (a candidate of its search), whose grid b_up * q leaves
+    each element within b_up / 2: the block's L2 error is at most sqrt(16) * b_up / 2 * s."""
+    x = k - mu
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    err = kd - k
+    if k_format == "int8":
+        bound = amax / 254 + F32 * amax
+        assert (err.abs() <= bound).all(), f"K off by {(err.abs() / bound).max().item():.3f}x the INT8 error bound"
+        return
+    from mpfa.recipes.int8 import I4RS_BLOCK, I4RS_TARGET, INT4_MAX, rope_low_channels
+    s = amax / I4RS_TARGET
+    low = rope_low_channels(k.shape[-1])
+    bound = s / 2 + F32 * amax
+    assert (err[..., low].abs() <= bound).all(), "K's INT8 half is off by more than half its step"
+    blocks = lambda t: t[..., ~low].unflatten(-1, (-1, I4RS_BLOCK))   # noqa: E731
+    b_up = (blocks(x / s).abs().amax(dim=-1) / INT4_MAX).ceil().clamp(1, 18)
+    block_bound = I4RS_BLOCK ** 0.5 * (b_up / 2 * s + F32 * amax)
+    block_err = blocks(err).norm(dim=-1)
+    assert (block_err <= block_bound).all(), \
+        f"K's INT4 blocks off by {(block_err / block_bound).max().item():.3f}x their rounded-up block scale's bound"
 
 
 def test_append_reference_int64_slots_and_overwrite():
@@ -565,6 +666,13 @@ PLAN_ERRORS = [
      r"paged_kv_last_page_len must have shape \[2\], got \[1\]"),
     ("indices 2-d", dict(paged_kv_indices=torch.tensor([[4, 1, 2]], **I32)),
      r"paged_kv_indices must have 1 dimensions"),
+    # every integer argument is an int: 64.0 == 64 was accepted and reached the kernels' integer fields
+    ("head_dim float", dict(head_dim=64.0), r"head_dim must be one of \[64, 128, 256\], got 64.0"),
+    ("page_size float", dict(page_size=16.0), r"page_size must be one of \[1, 16, 32, 64\], got 16.0"),
+    ("page_size bool", dict(page_size=True, paged_kv_last_page_len=torch.tensor([1, 1], **I32)),
+     r"page_size must be one of \[1, 16, 32, 64\], got True"),
+    ("num_qo_heads float", dict(num_qo_heads=8.0), r"num_qo_heads must be a positive int, got 8.0"),
+    ("num_kv_heads bool", dict(num_kv_heads=True), r"num_kv_heads must be a positive int, got True"),
 ]
 PREFILL_ONLY_ERRORS = [
     ("qo rows > kv", dict(qo_indptr=torch.tensor([0, 21, 22], **I32)), r"request 0 has 21 query rows but only 20 KV tokens"),

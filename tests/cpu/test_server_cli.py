@@ -111,6 +111,10 @@ def _model(tmp_path, config: dict | str | None, yaml_text: str = "model: m\nsgla
     return str(tmp_path / "c.yaml")
 
 
+def _model_dir(tmp_path, config: dict) -> str:
+    return str(Path(_model(tmp_path, config)).parent / "m")
+
+
 LLAMA_CFG = json.loads((LLAMA / "config.json").read_text())
 NO_HEAD_DIM = {k: v for k, v in LLAMA_CFG.items() if k not in ("head_dim", "hidden_size")}
 
@@ -152,7 +156,45 @@ BAD_WARMUP = {
                      r"no page size: .*MPFA_PAGE_SIZE"),
     "nothing given": (lambda t: [], {}, r"give a server config, --model-path, or all of"),
     "two shapes": (lambda t: [str(DEFAULT), "--model-path", str(LLAMA)], {}, r"give one of"),
+    "config.json sliding_window text": (lambda t: [_model(t, {**LLAMA_CFG, "sliding_window": "abc"})], {},
+                                        r"m/config\.json: sliding_window must be an integer or absent, got 'abc'"),
+    "config.json head_dim fraction": (lambda t: [_model(t, {**LLAMA_CFG, "head_dim": 128.5})], {},
+                                      r"m/config\.json: head_dim must be a positive integer or absent, got 128\.5"),
+    "config.json soft cap text": (lambda t: [_model(t, {**LLAMA_CFG, "attn_logit_softcapping": "x"})], {},
+                                  r"m/config\.json: attn_logit_softcapping must be a number or absent, got 'x'"),
+    "--model-path sliding_window text": (lambda t: ["--model-path",
+                                                    _model_dir(t, {**LLAMA_CFG, "sliding_window": "abc"}),
+                                                    "--page-size", "16"],
+                                         {}, r"m/config\.json: sliding_window must be an integer or absent"),
 }
+
+# Server configs the launcher refuses: warmup must refuse each with the same message (both read the file through
+# settings.load_server_config and decide through launch.server_settings).
+REFUSED_YAML = {
+    "other attention backend": ("{page-size: 16, attention-backend: flashinfer}",
+                                r"sglang.attention-backend is 'flashinfer'; this launcher serves "
+                                r"--attention-backend mpfa"),
+    "other decode backend": ("{page-size: 16, decode-attention-backend: triton}",
+                             r"sglang.decode-attention-backend must be mpfa \(or absent\)"),
+    "sglang.model-path": ("{page-size: 16, model-path: /models/x}",
+                          r"give the model as the top-level 'model' key, not sglang.model-path"),
+    "sglang.model": ("{page-size: 16, model: /models/x}",
+                     r"give the model as the top-level 'model' key, not sglang.model$"),
+    "misspelled sglang key": ("{page-size: 16, tp-szie: 2}",
+                              r"sglang.tp-szie is not a flag of python -m sglang.launch_server \(SGLang 0\.5\.17\); "
+                              r"did you mean sglang.tp-size\?"),
+    "unknown sglang key": ("{page-size: 16, turbo: true}",
+                           r"sglang.turbo is not a flag of python -m sglang.launch_server \(SGLang 0\.5\.17\)$"),
+    "dp-size not dividing tp-size": ("{page-size: 16, tp-size: 8, dp-size: 3, enable-dp-attention: true}",
+                                     r"sglang.dp-size 3 must divide sglang.tp-size 8 with sglang.enable-dp-attention"),
+    "dp attention not a boolean": ("{page-size: 16, tp-size: 2, dp-size: 2, enable-dp-attention: maybe}",
+                                   r"sglang.enable-dp-attention must be a boolean"),
+    "dp-size twice": ("{page-size: 16, dp-size: 2, data-parallel-size: 2}",
+                      r"sglang.dp-size and sglang.data-parallel-size are one setting: keep one"),
+}
+for _case, (_section, _match) in REFUSED_YAML.items():
+    BAD_WARMUP[f"yaml {_case}"] = (lambda t, section=_section: [_model(t, LLAMA_CFG, f"model: m\nsglang: {section}\n")],
+                                   {}, r"c\.yaml: " + _match)
 
 
 def _one_line_exit_2(main, case, extra, prefix, tmp_path, env_patch, capsys):
@@ -172,12 +214,23 @@ def test_warmup_bad_usage_is_one_line_exit_2(case, tmp_path, clean_env, capsys):
 
 BAD_LAUNCH = ("missing yaml", "malformed yaml", "misspelled mpfa key", "page size twice", "missing model folder",
               "config.json without head_dim", "config.json not json", "yaml tp-size 0", "MPFA_PAGE_SIZE=0",
-              "MPFA_RECIPE=fp4")
+              "MPFA_RECIPE=fp4", "config.json sliding_window text", "config.json head_dim fraction",
+              "config.json soft cap text") + tuple(f"yaml {case}" for case in REFUSED_YAML)
 
 
 @pytest.mark.parametrize("case", BAD_LAUNCH)
 def test_launch_bad_config_is_one_line_exit_2(case, tmp_path, clean_env, capsys):
     _one_line_exit_2(L.main, case, ["--print"], "mpfa launch: error: ", tmp_path, clean_env, capsys)
+
+
+@pytest.mark.parametrize("case", ["config.json sliding_window text"] + [f"yaml {c}" for c in REFUSED_YAML])
+def test_warmup_refuses_what_the_launcher_refuses_with_its_message(case, tmp_path, clean_env, capsys):
+    argv, _, _ = BAD_WARMUP[case]
+    config = argv(tmp_path)
+    rc_launch, _, launch_err = _run(L.main, config + ["--print"], capsys)
+    rc_warmup, _, warmup_err = _run(W.main, config + ["--no-progress"], capsys)
+    assert rc_launch == rc_warmup == 2
+    assert launch_err.removeprefix("mpfa launch: error: ") == warmup_err.removeprefix("mpfa warmup: error: ")
 
 
 def test_launch_help_mentions_double_dash_for_sglang_arguments():
@@ -245,6 +298,47 @@ def test_warmup_refuses_a_cache_dir_that_is_not_a_cache(tmp_path, clean_env, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def _writable(folder: Path) -> bool:
+    try:
+        (folder / "probe").write_text("")
+    except OSError:
+        return False
+    (folder / "probe").unlink()
+    return True
+
+
+def _warmup_subprocess(cache: Path, limit_file_size: bool = False):
+    """The warmup CLI on one real configuration with MPFA_CACHE_DIR=cache; ``limit_file_size``: no file it writes
+    may hold a byte (RLIMIT_FSIZE 0, a full disk as the superuser sees one; Python ignores SIGXFSZ, so a write
+    fails with EFBIG)."""
+    import resource
+    env = {**os.environ, "MPFA_CUDA_ARCH": ARCH, "MPFA_CACHE_DIR": str(cache)}
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))) if limit_file_size else None
+    return subprocess.run([sys.executable, "-m", "mpfa_jit.warmup", "--num-qo-heads", "32", "--num-kv-heads", "8",
+                           "--head-dim", "128", "--page-size", "16", "--no-progress"], capture_output=True, text=True,
+                          env=env, timeout=120, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_warmup_on_a_cache_dir_it_cannot_write_is_one_line_exit_1(how, tmp_path):
+    """An empty MPFA_CACHE_DIR that cannot be written: the marker write was an OSError traceback. It is failed
+    work, not bad usage (the arguments are fine): exit 1, one line naming the folder."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if how == "read-only":
+        cache.chmod(0o555)
+        if _writable(cache):
+            cache.chmod(0o755)
+            pytest.skip("permissions do not bind this user (root): the 'full' case covers the unwritable cache")
+    try:
+        r = _warmup_subprocess(cache, limit_file_size=how == "full")
+    finally:
+        cache.chmod(0o755)
+    assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpfa warmup: error: ") and str(cache) in lines[0], r.stderr
+
+
 @pytest.mark.nvcc
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
     """SIGINT to the process group (what a terminal's Ctrl-C sends) mid-build: exit 130, one line, no traceback."""
@@ -291,6 +385,8 @@ def test_server_config_shapes():
     ("{page-size: 16, tensor-parallel-size: 2}", 2),                            # SGLang's long spelling
     ("{page-size: 16, tp-size: 4, dp-size: 2, enable-dp-attention: true}", 2),  # attention TP = tp / dp
     ("{page-size: 16, tp-size: 4, dp-size: 2}", 4),                             # dp without dp-attention
+    ("{page-size: 16, tp-size: 8, data-parallel-size: 4, enable-dp-attention: true}", 2),   # dp's long spelling
+    ("{page-size: 16, tp-size: 4, dp-size: 2, enable-dp-attention: 'false'}", 4),            # a boolean as text
 ])
 def test_server_config_reads_the_attention_tp_size(sglang, tp, tmp_path):
     """The heads a GPU serves follow SGLang's attention tensor-parallel size: warmup and the launcher must

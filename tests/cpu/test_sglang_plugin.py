@@ -189,10 +189,49 @@ def test_bad_settings(env, match):
     ("model: m\nmodle: x\n", r"unknown top-level keys \['modle'\]"),
     ("model: m\nsglang: [page-size, 16]\n", r"sglang must be a mapping"),
     ("model: m\nsglang: {page-size: 16\n", r"not valid YAML at line 3, column 1 .*: fix the syntax"),
+    # every sglang: key is passed to SGLang as --key: one SGLang does not take fails the server, or (misspelled)
+    # leaves the setting mpfa reads at its default
+    ("model: m\nsglang: {tp-szie: 2}\n", r"sglang.tp-szie is not a flag of python -m sglang.launch_server \(SGLang "
+                                          r"0\.5\.17\); did you mean sglang.tp-size\?"),
+    ("model: m\nsglang: {page_szie: 16}\n", r"sglang.page-szie is not a flag .*did you mean sglang.page-size\?"),
+    ("model: m\nsglang: {flux-capacitor: 1}\n", r"sglang.flux-capacitor is not a flag of python -m "
+                                                 r"sglang.launch_server \(SGLang 0\.5\.17\)$"),
+    ("model: m\nsglang: {attention-backend: flashinfer}\n", r"sglang.attention-backend is 'flashinfer'"),
+    ("model: m\nsglang: {prefill-attention-backend: fa3}\n", r"sglang.prefill-attention-backend must be mpfa"),
+    ("model: m\nsglang: {model-path: /x}\n", r"give the model as the top-level 'model' key, not sglang.model-path"),
+    # SGLang 0.5.17 asserts tp_size % dp_size == 0 with DP attention (server_args.py, _handle_data_parallelism)
+    ("model: m\nsglang: {tp-size: 8, dp-size: 3, enable-dp-attention: true}\n",
+     r"sglang.dp-size 3 must divide sglang.tp-size 8 with sglang.enable-dp-attention"),
+    ("model: m\nsglang: {tp-size: 2, data-parallel-size: 4, enable-dp-attention: on}\n",
+     r"sglang.dp-size 4 must divide sglang.tp-size 2"),
+    ("model: m\nsglang: {dp-size: 0}\n", r"sglang.dp-size must be a positive integer, got 0"),
+    ("model: m\nsglang: {enable-dp-attention: sometimes}\n", r"sglang.enable-dp-attention must be a boolean"),
 ])
 def test_bad_server_config(tmp_path, text, match):
     with pytest.raises(S.MpfaConfigError, match=r"c\.yaml: .*" + match):
         S.load_server_config(_yaml(tmp_path, text))
+
+
+@pytest.mark.parametrize("section, tp", [("{tp-size: 8, dp-size: 4, enable-dp-attention: true}", 2),
+                                         ("{tp-size: 8, dp-size: 3}", 8),
+                                         ("{tp-size: 8, dp-size: 8, enable-dp-attention: true}", 1)])
+def test_dp_attention_that_sglang_accepts(section, tp, tmp_path):
+    """dp-size dividing tp-size is what SGLang runs; without enable-dp-attention dp-size replicates whole servers."""
+    assert S.load_server_config(_yaml(tmp_path, f"model: m\nsglang: {section}\n")).tp_size == tp
+
+
+def test_the_recorded_sglang_flags_are_0_5_17s_server_args():
+    """The list load_server_config checks keys against (sglang_api.json, read from SGLang 0.5.17's
+    server_args.py): what mpfa's configs and launcher use is in it, and it is the whole parser, not a sample."""
+    flags = S.sglang_flags()
+    assert flags == frozenset(API["launch_server_flags"]["0.5.17"])
+    used = {"page-size", "tp-size", "tensor-parallel-size", "dp-size", "data-parallel-size", "enable-dp-attention",
+            "attention-backend", "prefill-attention-backend", "decode-attention-backend", "model-path",
+            "disable-prefill-cuda-graph", "port", "host"}
+    assert used <= flags
+    for path in CONFIGS.glob("*.yaml"):
+        assert set(S.load_server_config(path).sglang) <= flags
+    assert len(flags) > 400 and not any(f.startswith("-") or "_" in f for f in flags)
 
 
 def test_every_server_config_states_the_page_size_once():
@@ -312,6 +351,28 @@ def test_hf_configs():
     deepseek = {**llama, "kv_lora_rank": 512}
     with pytest.raises(M.UnsupportedModelError, match="latent attention"):
         M.check_hf_config(deepseek, page_size=16, recipe="qk4pv8")
+    qwen_window_off = {**qwen, "sliding_window": 4096, "use_sliding_window": False}
+    assert M.check_hf_config(qwen_window_off, page_size=16, recipe="qk4pv8")["num_qo_heads"] == 40
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"sliding_window": "abc"}, r"sliding_window must be an integer or absent, got 'abc'"),
+    ({"sliding_window": 4096.5}, r"sliding_window must be an integer or absent, got 4096\.5"),
+    ({"head_dim": 128.0}, r"head_dim must be a positive integer or absent, got 128\.0"),
+    ({"head_dim": "128"}, r"head_dim must be a positive integer or absent, got '128'"),
+    ({"v_head_dim": "128"}, r"v_head_dim must be an integer or absent, got '128'"),
+    ({"num_key_value_heads": 8.0}, r"num_key_value_heads must be an integer or absent, got 8\.0"),
+    ({"num_key_value_heads": -8}, r"num_key_value_heads must be a positive integer, got -8"),
+    ({"num_attention_heads": True}, r"num_attention_heads must be a positive integer, got True"),
+    ({"attn_logit_softcapping": "50"}, r"attn_logit_softcapping must be a number or absent, got '50'"),
+    ({"layer_types": "full_attention"}, r"layer_types must be a list of strings or absent"),
+])
+def test_hf_config_field_of_the_wrong_type_names_file_and_key(change, match):
+    """A config.json field of the wrong type was a ValueError from int() naming neither (the launcher printed a
+    traceback), or was coerced (head_dim 128.5 served as 128)."""
+    llama = json.loads((CONFIGS / "models/llama-3.1-8b/config.json").read_text())
+    with pytest.raises(S.MpfaConfigError, match=r"^/m/config\.json: " + match):
+        M.check_hf_config({**llama, **change}, page_size=16, recipe="qk4pv8", where="/m/config.json")
 
 
 # --- page table from req_to_token ---------------------------------------------------------------------------------

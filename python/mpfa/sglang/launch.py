@@ -59,27 +59,25 @@ def sglang_args(options: Mapping) -> list:
     return out
 
 
+def server_settings(cfg: ServerConfig, env: Mapping[str, str]) -> tuple[MpfaSettings, dict]:
+    """The settings and the model's attention facts (heads per GPU, head_dim: mpfa.sglang.model.hf_config_facts) of
+    a server launched from ``cfg`` under ``env``, or the error the server would stop with. The launcher and
+    ``python -m mpfa_jit.warmup CONFIG`` both decide here, so warmup builds for exactly the configs that launch."""
+    settings = resolve_settings(env=env, config=cfg)
+    facts = check_hf_config(read_hf_config(cfg.model_dir), page_size=settings.page_size, recipe=settings.recipe,
+                            tp_size=cfg.tp_size, where=str(cfg.model_dir / "config.json"))
+    return settings, facts
+
+
 def build_launch(config_path, *, extra_args=(), env: Mapping[str, str] | None = None,
                  python: str | None = None) -> LaunchPlan:
     """The ``python -m sglang.launch_server ...`` argument list and the MPFA_* environment for a server
     config. Checks the model against :func:`mpfa.sglang.model.check_model_supported` first."""
     env = dict(os.environ if env is None else env)
-    cfg = load_server_config(config_path)
+    cfg = load_server_config(config_path)   # refuses what SGLang or mpfa would (settings.check_sglang_section)
     path, options = cfg.path, dict(cfg.sglang)
-    for bad in ("model-path", "model"):
-        if bad in options:
-            raise MpfaConfigError(f"{path}: give the model as the top-level 'model' key, not sglang.{bad}")
-    backend = options.pop("attention-backend", BACKEND_NAME)
-    if backend != BACKEND_NAME:
-        raise MpfaConfigError(f"{path}: sglang.attention-backend is {backend!r}; this launcher serves "
-                              f"--attention-backend {BACKEND_NAME}")
-    for key in ("prefill-attention-backend", "decode-attention-backend"):
-        if options.get(key) not in (None, BACKEND_NAME):
-            raise MpfaConfigError(f"{path}: sglang.{key} must be {BACKEND_NAME} (or absent): the pool holds mpfa's "
-                                  "compressed cache, which no other backend reads")
-    settings = resolve_settings(env=env, config=cfg)
-    check_hf_config(read_hf_config(cfg.model_dir), page_size=settings.page_size, recipe=settings.recipe,
-                    tp_size=cfg.tp_size, where=str(cfg.model_dir / "config.json"))
+    options.pop("attention-backend", None)  # mpfa, stated once below
+    settings, _ = server_settings(cfg, env)
     options["page-size"] = settings.page_size
     # Extend batches are planned on the host per batch: mpfa runs prefill eagerly unless the YAML asks otherwise.
     if "disable-prefill-cuda-graph" not in options and not cfg.mpfa.get("prefill_cuda_graph", False):

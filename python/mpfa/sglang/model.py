@@ -83,43 +83,70 @@ def read_hf_config(model_dir: "str | Path") -> dict:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise MpfaConfigError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise MpfaConfigError(f"{path}: cannot be read ({e.strerror if isinstance(e, OSError) else e})") from None
     if not isinstance(cfg, dict):
         raise MpfaConfigError(f"{path}: must hold a JSON object (a HuggingFace model config)")
     return cfg
 
 
+def _int_key(cfg: Mapping, key: str, where: str, *, positive: bool = False, required: bool = False) -> int | None:
+    """``cfg[key]`` as an int (None when absent or null and not ``required``), or :class:`MpfaConfigError` naming
+    the file and key: a string or a fraction there is a broken config, never a number to coerce."""
+    value = cfg.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or (positive and value < 1):
+        raise MpfaConfigError(f"{where}: {key} must be {'a positive' if positive else 'an'} integer"
+                              f"{'' if required else ' or absent'}, got {value!r}")
+    return value
+
+
+def _number_key(cfg: Mapping, key: str, where: str) -> float:
+    """``cfg[key]`` as a float (0 when absent or null), or :class:`MpfaConfigError` naming the file and key."""
+    value = cfg.get(key)
+    if value is None:
+        return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise MpfaConfigError(f"{where}: {key} must be a number or absent, got {value!r}")
+    return float(value)
+
+
 def hf_config_facts(cfg: Mapping, *, tp_size: int = 1, where: str = "config.json") -> dict:
     """The attention facts of a HuggingFace config.json dict that :func:`check_model_supported` takes
-    (heads per GPU under ``tp_size``-way tensor parallelism)."""
+    (heads per GPU under ``tp_size``-way tensor parallelism). A field of the wrong type raises
+    :class:`MpfaConfigError` naming ``where`` and the field."""
     tp_size = parse_positive_int("tp-size", tp_size)
-    heads = cfg.get("num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
-        raise MpfaConfigError(f"{where}: num_attention_heads must be a positive integer, got {heads!r}")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    if not isinstance(kv_heads, int) or kv_heads < 1:
+    heads = _int_key(cfg, "num_attention_heads", where, positive=True, required=True)
+    kv_heads = _int_key(cfg, "num_key_value_heads", where) or heads   # absent or 0: one KV head per query head
+    if kv_heads < 1:
         raise MpfaConfigError(f"{where}: num_key_value_heads must be a positive integer, got {kv_heads!r}")
-    head_dim = cfg.get("head_dim")
+    head_dim = _int_key(cfg, "head_dim", where, positive=True)
     if head_dim is None:
-        if not isinstance(cfg.get("hidden_size"), int):
+        hidden = _int_key(cfg, "hidden_size", where, positive=True)
+        if hidden is None:
             raise MpfaConfigError(f"{where}: has neither head_dim nor hidden_size: add \"head_dim\" (the attention "
                                   "head size) to it")
-        head_dim = cfg["hidden_size"] // heads
+        head_dim = hidden // heads
     if heads % tp_size:
         raise MpfaConfigError(f"tp-size {tp_size} must divide num_attention_heads {heads} ({where})")
     layer_types = cfg.get("layer_types") or ()
+    if not isinstance(layer_types, (list, tuple)) or not all(isinstance(t, str) for t in layer_types):
+        raise MpfaConfigError(f"{where}: layer_types must be a list of strings or absent, got {layer_types!r}")
+    window = None if cfg.get("sliding_window") is False else _int_key(cfg, "sliding_window", where)   # false: none
     sliding = None
-    if cfg.get("sliding_window") and (cfg.get("use_sliding_window", True) or "sliding_attention" in layer_types):
-        sliding = int(cfg["sliding_window"])
+    if window and (cfg.get("use_sliding_window", True) or "sliding_attention" in layer_types):
+        sliding = window
     hybrid = None
     if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         hybrid = f"layer types {sorted(set(layer_types))}"
     elif cfg.get("mamba_d_state") or cfg.get("linear_num_key_heads") or cfg.get("hybrid_override_pattern"):
         hybrid = "Mamba / linear-attention layers"
     return dict(
-        head_dim=int(head_dim), v_head_dim=int(cfg.get("v_head_dim") or head_dim),
+        head_dim=head_dim, v_head_dim=_int_key(cfg, "v_head_dim", where) or head_dim,
         num_qo_heads=heads // tp_size, num_kv_heads=max(1, kv_heads // tp_size),   # SGLang replicates KV heads
         use_mla=bool(cfg.get("kv_lora_rank")), sliding_window=sliding,
-        logit_cap=float(cfg.get("attn_logit_softcapping") or 0.0),
+        logit_cap=_number_key(cfg, "attn_logit_softcapping", where),
         is_encoder_decoder=bool(cfg.get("is_encoder_decoder")), hybrid=hybrid)
 
 

@@ -13,6 +13,10 @@ Where each setting comes from, highest precedence first:
    section, and its page size ``sglang.page-size``;
 3. defaults: recipe ``qk4pv8``, compensation on, page size = SGLang's ``--page-size``, kernel backend ``auto``.
 
+Every ``sglang:`` key must be a flag of ``python -m sglang.launch_server`` in SGLang 0.5.17 (recorded in
+sglang_api.json; a near miss names the flag it resembles), other than ``model-path`` (the top-level ``model``)
+and an attention backend other than mpfa; with ``enable-dp-attention``, ``dp-size`` must divide ``tp-size``.
+
 The page size is stated once per YAML, as ``sglang.page-size`` (SGLang's ``--page-size``, the one the
 server really uses); ``mpfa.page_size`` is an error saying so. A page size resolved from 1. or 2. that
 differs from the server's ``--page-size`` is an error, never silently replaced. SGLang scheduler
@@ -21,6 +25,9 @@ processes inherit the launcher's environment, so every process resolves the same
 """
 from __future__ import annotations
 
+import difflib
+import functools
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +51,9 @@ ENV_VARS = (ENV_RECIPE, ENV_COMPENSATION, ENV_PAGE_SIZE, ENV_KERNEL_BACKEND, ENV
 KERNEL_BACKENDS = ("auto", "reference")   # "reference": the PyTorch oracle, by name only (debugging)
 PAGE_SIZES = _append_op.PAGE_SIZES        # every op serves the pages the cache holds (mpfa.sglang.model checks)
 TOP_LEVEL_KEYS = ("model", "sglang", "mpfa")
+SGLANG_VERSION = "0.5.17"   # the server flags a config's sglang: section is checked against (sglang_api.json)
+# SGLang's long spellings of the flags mpfa reads: one name each in ServerConfig.sglang
+SGLANG_ALIASES = {"tensor-parallel-size": "tp-size", "data-parallel-size": "dp-size"}
 MPFA_KEYS = ("recipe", "compensation", "kernel_backend", "prefill_cuda_graph")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -141,11 +151,67 @@ class ServerConfig:
     @property
     def tp_size(self) -> int:
         """The attention tensor-parallel size, which splits the heads: tp-size, divided by dp-size when
-        enable-dp-attention is set (SGLang's attn_tp_size)."""
+        enable-dp-attention is set (SGLang's attn_tp_size; load_server_config refuses a dp-size that does not
+        divide it)."""
         tp = self.sglang.get("tp-size", 1)
         if self.sglang.get("enable-dp-attention"):
-            return max(1, tp // self.sglang.get("dp-size", 1))
+            return tp // self.sglang.get("dp-size", 1)
         return tp
+
+
+@functools.lru_cache(maxsize=None)
+def sglang_flags(version: str = SGLANG_VERSION) -> frozenset:
+    """The flags (without ``--``) ``python -m sglang.launch_server`` takes in that SGLang version, as recorded from
+    its source in sglang_api.json: checked without SGLang installed (the launcher and warmup run without it)."""
+    api = json.loads((Path(__file__).with_name("sglang_api.json")).read_text())
+    return frozenset(api["launch_server_flags"][version])
+
+
+def check_sglang_section(path: Path, sglang: dict) -> dict:
+    """The ``sglang:`` section as the launcher passes it to SGLang, or :class:`MpfaConfigError` naming the file
+    and key: every key one of SGLang's server flags (a misspelled one would fail the server at start, or worse,
+    a flag mpfa reads would silently keep its default), the model and attention backend stated where mpfa
+    reads them, and the parallel sizes SGLang accepts. The launcher and warmup both read configs through
+    :func:`load_server_config`, so they refuse the same files."""
+    flags = sglang_flags()
+    for key in sglang:
+        if key not in flags:
+            near = difflib.get_close_matches(key, sorted(flags), n=1, cutoff=0.8)
+            hint = f"; did you mean sglang.{near[0]}?" if near else ""
+            raise MpfaConfigError(f"{path}: sglang.{key} is not a flag of python -m sglang.launch_server (SGLang "
+                                  f"{SGLANG_VERSION}){hint}")
+    for alias, name in SGLANG_ALIASES.items():
+        if alias in sglang:
+            if name in sglang:
+                raise MpfaConfigError(f"{path}: sglang.{name} and sglang.{alias} are one setting: keep one")
+            sglang[name] = sglang.pop(alias)
+    for bad in ("model-path", "model"):
+        if bad in sglang:
+            raise MpfaConfigError(f"{path}: give the model as the top-level 'model' key, not sglang.{bad}")
+    backend = sglang.get("attention-backend", BACKEND_NAME)
+    if backend != BACKEND_NAME:
+        raise MpfaConfigError(f"{path}: sglang.attention-backend is {backend!r}; this launcher serves "
+                              f"--attention-backend {BACKEND_NAME}")
+    for key in ("prefill-attention-backend", "decode-attention-backend"):
+        if sglang.get(key) not in (None, BACKEND_NAME):
+            raise MpfaConfigError(f"{path}: sglang.{key} must be {BACKEND_NAME} (or absent): the pool holds mpfa's "
+                                  "compressed cache, which no other backend reads")
+    if "page-size" in sglang:
+        sglang["page-size"] = parse_page_size(f"{path}: sglang.page-size", sglang["page-size"])
+    for key in ("tp-size", "dp-size"):
+        if key in sglang:
+            sglang[key] = parse_positive_int(f"{path}: sglang.{key}", sglang[key])
+    if sglang.get("enable-dp-attention") is not None:
+        sglang["enable-dp-attention"] = parse_bool(f"{path}: sglang.enable-dp-attention",
+                                                   sglang["enable-dp-attention"])
+    tp, dp = sglang.get("tp-size", 1), sglang.get("dp-size", 1)
+    # SGLang 0.5.17 asserts tp_size % dp_size == 0 under DP attention (server_args.py, _handle_data_parallelism) and
+    # splits the heads over tp-size // dp-size attention ranks (layers/dp_attention.py): a remainder would fail the
+    # server at start after mpfa had built kernels for a split that never runs.
+    if sglang.get("enable-dp-attention") and tp % dp:
+        raise MpfaConfigError(f"{path}: sglang.dp-size {dp} must divide sglang.tp-size {tp} with "
+                              "sglang.enable-dp-attention (each DP attention group runs tp-size / dp-size ranks)")
+    return sglang
 
 
 def _mapping(path: Path, name: str, value) -> dict:
@@ -164,6 +230,8 @@ def load_server_config(path: "str | Path") -> ServerConfig:
         raise MpfaConfigError(f"{path}: no such server config file (see server_configs/*.yaml)")
     try:
         data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise MpfaConfigError(f"{path}: cannot be read ({e.strerror if isinstance(e, OSError) else e})") from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -175,18 +243,8 @@ def load_server_config(path: "str | Path") -> ServerConfig:
         raise MpfaConfigError(f"{path}: unknown top-level keys {unknown}; accepted: {list(TOP_LEVEL_KEYS)}")
     if not isinstance(data.get("model"), str) or not data["model"]:
         raise MpfaConfigError(f"{path}: missing 'model' (a folder with config.json, relative to the config)")
-    sglang = {str(k).removeprefix("--").replace("_", "-"): v
-              for k, v in _mapping(path, "sglang", data.get("sglang")).items()}
-    if "page-size" in sglang:
-        sglang["page-size"] = parse_page_size(f"{path}: sglang.page-size", sglang["page-size"])
-    if "tensor-parallel-size" in sglang:   # SGLang's long spelling of --tp-size
-        if "tp-size" in sglang:
-            raise MpfaConfigError(f"{path}: sglang.tp-size and sglang.tensor-parallel-size are one setting: keep one")
-        sglang["tp-size"] = sglang.pop("tensor-parallel-size")
-    if "tp-size" in sglang:
-        sglang["tp-size"] = parse_positive_int(f"{path}: sglang.tp-size", sglang["tp-size"])
-    if "dp-size" in sglang:
-        sglang["dp-size"] = parse_positive_int(f"{path}: sglang.dp-size", sglang["dp-size"])
+    sglang = check_sglang_section(path, {str(k).removeprefix("--").replace("_", "-"): v
+                                         for k, v in _mapping(path, "sglang", data.get("sglang")).items()})
     section = _mapping(path, "mpfa", data.get("mpfa"))
     if "page_size" in section:
         raise MpfaConfigError(f"{path}: mpfa.page_size: state the page size once, as sglang.page-size (SGLang's "
