@@ -5,13 +5,23 @@ only leads; clocks and thermals move between runs).
 Each function returns one result row of kind "ceiling": `name`, `method`, timing fields
 (`ms`, ...) and either `bytes`/`gbps` (bandwidth) or `flops`/`tflops` (MMA rate).
 Inputs are random, never zeros: zeros can run faster than real data.
+
+    python -m benchmarks.ceilings [--only hbm_read,fp8_mma] [--warmup-ms 25] [--rep-ms 100]
+
+measures them alone and prints one line each (``benchmarks.run`` measures them before every suite and
+stores them in each results file). Exit status: 0 measured; 1 a ceiling failed; 2 bad arguments or no CUDA GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from typing import Callable
 
+from benchmarks import cli
 from benchmarks.timing import GIB, bench
+
+PROG = "python -m benchmarks.ceilings"
 
 
 def _row(name: str, method: str, timing, *, bytes_=None, flops=None) -> dict:
@@ -124,3 +134,39 @@ ALL: dict[str, Callable[..., dict]] = {
 def by_name(rows) -> dict[str, dict]:
     """Ceiling rows of a result, keyed by name (kernel rows ignored)."""
     return {r["name"]: r for r in rows if r.get("kind") == "ceiling"}
+
+
+def describe(row: dict) -> str:
+    """A ceiling row in one line: its rate and how it was measured."""
+    rate = f"{row['gbps']:,.0f} GB/s" if "gbps" in row else f"{row['tflops']:,.0f} TFLOP/s"
+    return f"{row['name']}: {rate} ({row['method']})"
+
+
+def main(argv=None) -> int:
+    ap = cli.Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(ALL), help=f"comma-separated subset of {', '.join(ALL)} (default: all)")
+    ap.add_argument("--warmup-ms", type=float, default=25.0)
+    ap.add_argument("--rep-ms", type=float, default=100.0)
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL]
+    if unknown or not names:
+        ap.error(f"--only: unknown {unknown}; choose from {', '.join(ALL)}")
+    if a.warmup_ms < 0 or a.rep_ms <= 0:
+        ap.error(f"--warmup-ms must be >= 0 and --rep-ms positive, got {a.warmup_ms} and {a.rep_ms}")
+    import torch
+    if not torch.cuda.is_available():
+        print(f"{PROG}: no CUDA GPU visible (torch {torch.__version__}): run it on the GPU machine", file=sys.stderr)
+        return 2
+    failed = 0
+    for name in names:
+        try:
+            print(describe(ALL[name](warmup_ms=a.warmup_ms, rep_ms=a.rep_ms)), flush=True)
+        except Exception as e:   # the others still measure
+            print(f"{PROG}: {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

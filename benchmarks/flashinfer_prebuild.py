@@ -76,6 +76,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import cli
+
 FLASHINFER_VERSION = "0.6.15.post1"
 ARCH = "9.0a"
 MANIFEST = "manifest.json"
@@ -345,7 +347,7 @@ def verify(which: str = "peers", load: bool = False) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--set", dest="which", choices=SETS, default="peers",
                     help="peers: the benchmark peers' modules (default); sglang: SGLang 0.5.17's flashinfer "
                     "attention backend's (and sampler's) for SGLANG_MODELS, bf16 and FP8 KV")

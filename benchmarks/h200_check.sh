@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install, prebuild every kernel the GPU tests use (16 parallel builds), run the GPU
-# tests of the given files (default: all), then the given benchmark suites.
+# tests of the given files (default: all), then the given benchmark suites (published: benchmarks.run --publish).
 #   MPFA_BENCH_COMMIT=<hash> bash benchmarks/h200_check.sh "tests/gpu" "append,decode" [--quick]
 # MPFA_PREBUILD_OPS (default "append_kv,decode,prefill") limits the prebuild to those ops' kernels;
 # MPFA_CHECK_TIMEOUT (default 480 s) bounds the tests and the suites each.
@@ -28,7 +28,15 @@ PY
 # A hung kernel (a barrier mismatch in a new kernel) must not eat the whole device call: each step has a limit.
 timeout "${MPFA_CHECK_TIMEOUT:-480}" python3 -m pytest ${1:-tests/gpu} -q -p no:cacheprovider --tb=line 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 if [ -n "${2:-}" ]; then
-  timeout "${MPFA_CHECK_TIMEOUT:-480}" python3 -m benchmarks.run --suites "$2" --no-readme ${3:-} 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |^Summary|FAILED|Error" | tail -60
-  # only the suites' own files: $OUT returns at most 8 files, and the other results would crowd them out
-  for suite in ${2//,/ }; do cp benchmarks/results/"$suite"_h200.json benchmarks/results/"$suite"_h200.png "$OUT/" 2>/dev/null; done
+  # --publish: a suite whose rows all succeeded on the GPU its results file names replaces that file here (the
+  # device's copy of the tree); one with a failed row goes to benchmarks/results/scratch (git-ignored) instead
+  timeout "${MPFA_CHECK_TIMEOUT:-480}" python3 -m benchmarks.run --suites "$2" --publish --no-readme ${3:-} 2>&1 | tee "$OUT/bench.log" | grep -E "^\| |^Summary|FAILED|Error|not published" | tail -60
+  # only the suites' own files: $OUT returns at most 8 files, and the other results would crowd them out. A suite
+  # that was not published comes back as not-published-<file>, so it is never copied over a committed result.
+  for suite in ${2//,/ }; do
+    for f in "$suite"_h200.json "$suite"_h200.png; do
+      if [ -f benchmarks/results/scratch/"$f" ]; then cp benchmarks/results/scratch/"$f" "$OUT/not-published-$f"
+      else cp benchmarks/results/"$f" "$OUT/" 2>/dev/null; fi
+    done
+  done
 fi

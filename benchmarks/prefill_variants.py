@@ -11,20 +11,22 @@ two-warpgroup per-key build served before prefill v3). The served build (SERVED_
 reference for the output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows
 there, one that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, made again for each variant from the same seed; compensation on for the quantized
-recipes unless ``--compensation off``). Rows go to ``--out`` (default
-benchmarks/results/studies/prefill_variants_h200.json) with the meta of the run; this is a study (a
-speed claim goes through the prefill suite beside its peers).
+recipes unless ``--compensation off``). Rows go to ``<out>/<name>.json`` with the meta of the run: ``<out>`` is
+benchmarks/results/scratch/studies unless ``--publish`` (then benchmarks/results/studies, or ``--out``; refused on
+another GPU than the published file names, and a run with a non-finite output goes to scratch instead:
+benchmarks/publish.py). This is a study (a speed claim goes through the prefill suite beside its peers).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from benchmarks import results_io
+from benchmarks import cli, publish, results_io
 from benchmarks.suites import prefill as suite
 from mpfa_jit.ops.prefill import KNOBS
+
+PROG = "python -m benchmarks.prefill_variants"
+STUDIES = results_io.RESULTS_DIR / "studies"
 
 
 def parse_variant(text: str) -> dict:
@@ -89,12 +91,12 @@ def run(shape: str, recipe: str, variants: list[dict | None], seed: int = 0, on_
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.prefill_variants", description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="16K,32K", help="prefill suite shapes, comma-separated (default %(default)s)")
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
     ap.add_argument("--variants", nargs="+", default=[""],
                     help="knob sets, e.g. \"consumers=2,pingpong=1\" (default: \"\", the template defaults)")
-    ap.add_argument("--out", default=str(results_io.RESULTS_DIR / "studies"))
+    publish.add_arguments(ap, out_help="folder of the study's file")
     ap.add_argument("--compensation", choices=["on", "off"], default="on",
                     help="quantized recipes: Q smoothing + compensation as served (on) or off (default %(default)s)")
     ap.add_argument("--name", default="prefill_variants_h200",
@@ -114,18 +116,34 @@ def main(argv=None) -> int:
     if not shapes or any(x not in names for x in shapes):
         ap.error(f"--shapes: choose from {', '.join(names)}, got {args.shapes!r}")
     from benchmarks import meta as bench_meta
-    command = "python -m benchmarks.prefill_variants " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
+    target = publish.destination(ap, args.out, args.publish, published=STUDIES, scratch=publish.SCRATCH_DIR / "studies")
+    if args.publish:
+        try:
+            publish.check_machine([f"{args.name}.json"], target, published=STUDIES)
+        except publish.Refused as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 2
     meta = bench_meta.collect(command.strip(), parts=["prefill_variants"])
     rows: list[dict] = []
+    work = publish.staging_dir(args.name) if args.publish else target   # published only once every row is in
 
     def keep(row):
         rows.append(row)
-        results_io.write(args.name, meta, {"variants": len(variants), "rows": len(rows)}, rows,
-                         Path(args.out))
+        results_io.write(args.name, meta, {"variants": len(variants), "rows": len(rows)}, rows, work)
     for shape in shapes:
         for r in recipes:
             run(shape, r, variants, on_row=keep, compensation=args.compensation == "on")
-    return 0
+    path = work / f"{args.name}.json"
+    failed = [f"{r['recipe']} {r['shape']} {r['variant']}" for r in rows if not r["finite"]]
+    if args.publish and failed:
+        print(publish.failure_line(PROG, failed, path), file=sys.stderr)
+    elif args.publish:
+        for p in publish.promote(work, target):
+            print(f"published {publish.display(p)}")
+    else:
+        print(f"wrote {publish.display(path)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,16 +1,30 @@
-"""Launch each kernel of interest a few times at one shape, for `ncu` to profile (no timing here).
+r"""Launch each kernel of interest a few times at one shape, for `ncu` to profile (no timing here).
 Kinds: decode, append, prefill (see each function); prefill_times prints each kernel's GPU time of one prefill call.
 
     ncu --clock-control none --kernel-name regex:decode --launch-skip 2 --launch-count 1 \
         python -m benchmarks.profile_kernels decode qk4pv8 [batch context page_size]
+
+    python -m benchmarks.profile_kernels KIND RECIPE [ARG ...]
+      decode RECIPE [batch context page_size launches]        (default 32 32768 16 3)
+      append RECIPE [tokens page_size launches]               (default 32768 16 3)
+      prefill RECIPE [shape on|off knobs launches]            (default 16K on served 3)
+      prefill_times RECIPE [shape on|off knobs calls]         (default 16K on served 10)
+
+Exit status: 0 done; 1 the launches failed; 2 bad arguments or no CUDA GPU.
 """
 from __future__ import annotations
 
+import argparse
+import inspect
 import sys
 
 import torch
 
 import mpfa
+from benchmarks import cli
+from mpfa_jit.ops.support import ALL_RECIPES
+
+PROG = "python -m benchmarks.profile_kernels"
 
 QO, KV, D = 32, 8, 128
 
@@ -60,6 +74,8 @@ def _prefill_setup(recipe: str, shape: str, compensation: str, knobs: str):
     from benchmarks.suites.prefill import SHAPES, _case, mpfa_setup
     if compensation not in ("on", "off"):
         raise ValueError(f"compensation must be 'on' or 'off', got {compensation!r}")
+    if shape not in dict(SHAPES):
+        raise ValueError(f"shape must be one of {', '.join(dict(SHAPES))}, got {shape!r}")
     case = _case("mpfa", recipe, shape, dict(SHAPES)[shape], (compensation == "on") if recipe != "bf16" else None)
     return mpfa_setup(case, torch.Generator(device="cuda").manual_seed(0),
                       knobs=None if knobs == "served" else parse_variant(knobs))
@@ -91,6 +107,58 @@ def prefill_times(recipe: str, shape: str = "16K", compensation: str = "on", kno
         f"{name[:40]} {us:.1f} us" for name, us in sorted(per_kernel.items(), key=lambda x: -x[1])))
 
 
+KINDS = {"decode": decode, "append": append, "prefill": prefill, "prefill_times": prefill_times}
+
+
+def _prefill_shapes() -> list[str]:
+    from benchmarks.suites.prefill import SHAPES
+    return [name for name, _ in SHAPES]
+
+
+# the text arguments that have a fixed set of values, checked before any GPU work
+TEXT_CHOICES = {"shape": _prefill_shapes, "compensation": lambda: ["on", "off"]}
+
+
+def call_args(ap: argparse.ArgumentParser, kind: str, raw: list[str]) -> list:
+    """The positional arguments after RECIPE as the kind's function takes them: counts positive integers, the
+    rest text (a parser error for too many, or a count that is not one)."""
+    params = list(inspect.signature(KINDS[kind]).parameters.values())[1:]
+    if len(raw) > len(params):
+        ap.error(f"{kind} takes at most {len(params)} arguments after RECIPE "
+                 f"({' '.join(p.name for p in params)}), got {len(raw)}")
+    out = []
+    for p, text in zip(params, raw):
+        if p.annotation in (int, "int"):
+            if not text.isdigit() or int(text) < 1:
+                ap.error(f"{kind} {p.name}: a positive integer, got {text!r}")
+            out.append(int(text))
+        elif p.name in TEXT_CHOICES and text not in TEXT_CHOICES[p.name]():
+            ap.error(f"{kind} {p.name}: one of {', '.join(TEXT_CHOICES[p.name]())}, got {text!r}")
+        else:
+            out.append(text)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = cli.Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=sorted(KINDS))
+    ap.add_argument("recipe", choices=list(ALL_RECIPES))
+    ap.add_argument("args", nargs="*", metavar="ARG", help="the kind's arguments, in order (above)")
+    a = ap.parse_args(argv)
+    args = call_args(ap, a.kind, a.args)
+    if not torch.cuda.is_available():
+        print(f"{PROG}: no CUDA GPU visible (torch {torch.__version__}): run it on the GPU machine", file=sys.stderr)
+        return 2
+    try:
+        KINDS[a.kind](a.recipe, *args)
+    except ValueError as e:   # a shape, compensation or knob string the prefill setup refuses
+        print(f"{PROG}: {a.kind}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        print(f"{PROG}: {a.kind} {a.recipe} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    args = [int(a) if a.isdigit() else a for a in sys.argv[2:]]   # e.g. decode qk4pv8 32 32768 1
-    {"decode": decode, "append": append, "prefill": prefill, "prefill_times": prefill_times}[sys.argv[1]](*args)
+    sys.exit(main())

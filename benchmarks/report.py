@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks import results_io, suites
+from benchmarks import cli, results_io, suites
 from benchmarks.accuracy import summary as accuracy_summary
 from benchmarks.e2e import sglang_check
 
@@ -222,8 +222,8 @@ def resummarize(results_dir: Path | str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(prog="python -m benchmarks.report", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=results_io.RESULTS_DIR)
     ap.add_argument("--readme", type=Path, default=README)
     ap.add_argument("--check", action="store_true", help="exit 1 if README or summaries are stale")

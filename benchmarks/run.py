@@ -1,17 +1,20 @@
 """The one benchmark command: ceilings, then the selected suites, in one process on one GPU.
 
-    python -m benchmarks.run [--suites append,...] [--out benchmarks/results] [--quick]
-                             [--repeat 2]
+    python -m benchmarks.run [--suites append,...] [--publish] [--out DIR] [--quick] [--repeat 2]
 
 Per suite it writes `<out>/<RESULT>.json` ({"meta", "summary", "rows"}, ceiling rows
-included) and `<out>/<RESULT>.png`, prints the suite's table, and - when `--out` is the
-committed results folder - rewrites README.md's bench section. `--repeat 2` runs every case
-twice and stores each row's `spread` (relative difference of the two medians) and the
+included) and `<out>/<RESULT>.png`, and prints the suite's table. `<out>` is
+benchmarks/results/scratch (git-ignored) unless `--publish`: then benchmarks/results (or `--out`),
+and README.md's bench section is rewritten when that is the committed folder. A publishing run
+refuses before measuring on a GPU other than the one the published files name, and a suite with a
+failed row (any implementation) goes to scratch instead (benchmarks/publish.py). `--repeat 2` runs
+every case twice and stores each row's `spread` (relative difference of the two medians) and the
 summary's `max_spread`, for the "two consecutive runs agree within 5%" rule.
 
 Exit status: 0 all good; 1 an mpfa case or a ceiling failed (peers' failures are recorded,
-not fatal); 2 bad arguments or no CUDA GPU. On the device machine the tree has no .git: set
-MPFA_BENCH_COMMIT=<hash> for meta, and write under $OUT (e.g. --out $OUT/results).
+not fatal), or a suite was not published; 2 bad arguments, no CUDA GPU, or a refused publish.
+On the device machine the tree has no .git: set MPFA_BENCH_COMMIT=<hash> for meta, e.g.
+`MPFA_BENCH_COMMIT=<hash> python -m benchmarks.run --suites prefill --publish --no-readme`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ import argparse
 import shlex
 import sys
 import traceback
-from pathlib import Path
 
-from benchmarks import ceilings, meta, report, results_io, suites
+from benchmarks import ceilings, cli, meta, publish, report, results_io, suites
 from benchmarks.stats import merge_repeats
 
 SPREAD_LIMIT = 0.05
@@ -97,11 +99,10 @@ def run_suite(suite, ctx: suites.Context, repeat: int) -> list[dict]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(prog="python -m benchmarks.run", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suites", default="all",
                     help=f"comma-separated, or 'all' (available: {', '.join(suites.available())})")
-    ap.add_argument("--out", type=Path, default=results_io.RESULTS_DIR)
     ap.add_argument("--quick", action="store_true", help="short timing, fewer cases (smoke run)")
     ap.add_argument("--repeat", type=int, default=1, help="run each suite N times; record spread")
     ap.add_argument("--warmup-ms", type=float, default=None)
@@ -111,9 +112,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-readme", action="store_true")
+    publish.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    args.out = publish.destination(ap, args.out, args.publish)
     return args
 
 
@@ -128,8 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks.run: {e}", file=sys.stderr)
         return 2
     torch = require_cuda()
-
     props = torch.cuda.get_device_properties(0)
+    if args.publish:
+        try:
+            publish.check_machine([f"{m.RESULT}.json" for m in mods], args.out, found=props.name)
+        except publish.Refused as e:
+            print(f"benchmarks.run: {e}", file=sys.stderr)
+            return 2
+
     ctx = suites.Context(
         quick=args.quick,
         l2_bytes=getattr(props, "L2_cache_size", 60 << 20),
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx.ceilings = ceilings.by_name(ceiling_rows)
     failed = [r["id"] for r in ceiling_rows if r["status"] != "ok"]
 
+    folders = set()   # where this run's suites went: their roofline is redrawn there
     for mod in mods:
         rows = ceiling_rows + run_suite(mod, ctx, args.repeat)
         if hasattr(mod, "annotate"):
@@ -153,17 +163,23 @@ def main(argv: list[str] | None = None) -> int:
         summary = mod.summarize(rows)
         m = meta.collect(command, suite=mod.NAME, quick=args.quick, repeat=args.repeat,
                          warmup_ms=ctx.warmup_ms, rep_ms=ctx.rep_ms, seed=args.seed)
-        path = results_io.write(mod.RESULT, m, summary, rows, args.out)
+        not_published = publish.failed_rows(rows) if args.publish else []
+        out = publish.SCRATCH_DIR if not_published else args.out
+        folders.add(out)
+        path = results_io.write(mod.RESULT, m, summary, rows, out)
         result = results_io.read(path)
         print(f"\nwrote {path}")
         if not args.no_plots and hasattr(mod, "plot"):
             try:
-                for p in mod.plot(result, args.out):
+                for p in mod.plot(result, out):
                     print(f"wrote {p}")
             except Exception as e:  # a plot must not cost the measurements
                 print(f"plot for {mod.NAME} failed: {type(e).__name__}: {e}", file=sys.stderr)
         print(report.render_result(mod.RESULT, result), flush=True)
         failed += [r["id"] for r in rows if r.get("status") == "error" and r.get("impl") == "mpfa"]
+        if not_published:
+            print(publish.failure_line(f"benchmarks.run {mod.NAME}", not_published, path), file=sys.stderr)
+            failed.append(f"{mod.NAME} (not published)")
         spread = summary.get("max_spread")
         if spread is not None and spread > SPREAD_LIMIT:
             print(f"WARNING {mod.NAME}: max spread between repeats {spread:.1%} > "
@@ -171,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_plots:
         from benchmarks import roofline
-        path = roofline.draw(args.out)
-        if path:
-            print(f"wrote {path}")
-    if not args.no_readme and args.out.resolve() == results_io.RESULTS_DIR.resolve():
-        report.main(["--results", str(args.out)])
+        for folder in sorted(folders):
+            path = roofline.draw(folder)
+            if path:
+                print(f"wrote {path}")
+    published = {f.resolve() for f in folders} - {publish.SCRATCH_DIR.resolve()}
+    if not args.no_readme and results_io.RESULTS_DIR.resolve() in published:
+        report.main(["--results", str(results_io.RESULTS_DIR)])
     if failed:
-        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        print(f"FAILED: {', '.join(dict.fromkeys(failed))}", file=sys.stderr)
         return 1
     return 0
 

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
+from benchmarks import cli
+
 # The page sizes whose code differs: 1 (one token per page), 16 (the common case), 64 (a page larger than a
 # decode tile); decode's GQA groups 1, 4 and 8. Recipes and head_dims: every one the op builds.
 _PAGES = (1, 16, 64)
@@ -145,17 +147,31 @@ def compare(before: dict, after: dict, tolerance: float = 0.01) -> int:
     return bad
 
 
+def read_census(ap, path: str) -> dict:
+    """A census file written by --out (a parser error naming the file when it is missing or not one)."""
+    try:
+        with open(path) as f:
+            census = json.load(f)
+    except OSError as e:
+        ap.error(f"--compare: cannot read {path}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        ap.error(f"--compare: {path} is not JSON ({e})")
+    if not isinstance(census, dict) or not all(isinstance(v, dict) for v in census.values()):
+        ap.error(f"--compare: {path} is not a census file (an object of kernels, as --out writes)")
+    return census
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.sass_census", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(prog="python -m benchmarks.sass_census", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", default="append_kv,decode,prefill", help="comma-separated ops (default: all three)")
     ap.add_argument("--out", help="write the census JSON here")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two census files")
     a = ap.parse_args(argv)
     if a.compare:
-        with open(a.compare[0]) as f, open(a.compare[1]) as g:
-            return 1 if compare(json.load(f), json.load(g)) else 0
+        before, after = (read_census(ap, path) for path in a.compare)
+        return 1 if compare(before, after) else 0
     ops = [o.strip() for o in a.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in OPS]
     if unknown:

@@ -1,6 +1,8 @@
 """How a KV pool's one-time calibration depends on the batch it sees (CPU study on SmolLM2's real K/V).
 
-    python -m benchmarks.accuracy.calibration [--tokens 4096] [--out benchmarks/results/studies/calibration_kjv.json]
+    python -m benchmarks.accuracy.calibration [--tokens 4096] [--publish] [--out FILE]
+
+writes benchmarks/results/scratch/studies/calibration_kjv.json, or with --publish benchmarks/results/studies/.
 
 A layer's V channel scales (and mu_K) are fixed from the first extend batch a server sees
 (``PagedKVCache.calibrate``), which can be a warmup request of 3 tokens. For calibration samples of
@@ -10,16 +12,19 @@ scores (rel-L2 of q . (K_q - K) over the spread of q . K, first query head of ea
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks import cli, publish
+
 N_CALIB = (1, 3, 16, 256, 4096)
 HEADROOMS = (2.0, 16.0, 64.0, 256.0)
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "studies" / "calibration_kjv.json"
+STUDIES = Path(__file__).resolve().parents[1] / "results" / "studies"
+DEFAULT_OUT = STUDIES / "calibration_kjv.json"   # with --publish
+SCRATCH_OUT = publish.SCRATCH_DIR / "studies" / DEFAULT_OUT.name
 
 
 def _fp8(x: torch.Tensor) -> torch.Tensor:
@@ -57,11 +62,13 @@ def k_rows(caps, n_calib: int, queries: int = 256) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.calibration", description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog="python -m benchmarks.accuracy.calibration", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=4096, help="KJV tokens captured (default %(default)s)")
     ap.add_argument("--offset", type=int, default=100_000, help="character offset into the KJV text")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    publish.add_arguments(ap, out_help="the study's file", published=DEFAULT_OUT, scratch=SCRATCH_OUT,
+                          publish_help="write the published study (a CPU study: any machine may)")
     args = ap.parse_args(argv)
+    out = publish.destination(ap, args.out, args.publish, published=DEFAULT_OUT, scratch=SCRATCH_OUT)
     from benchmarks.accuracy import data, model
     why = model.missing_requirements()
     if why:
@@ -75,7 +82,6 @@ def main(argv=None) -> int:
     for r in rows:
         extra = f"headroom {r['headroom']:5.0f}  clipped {100 * r['clipped_fraction']:7.3f}%" if r["what"] == "v" else ""
         print(f"{r['what']:9s} calibrated on {r['calib_tokens']:5d} tokens  {extra:34s} rel-L2 {100 * r['rel_l2']:6.2f}%")
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python -m benchmarks.accuracy.calibration " + " ".join(argv or sys.argv[1:]),
                                "model": model.MODEL_NAME, "tokens": len(ids), "rows": rows}, indent=1) + "\n")

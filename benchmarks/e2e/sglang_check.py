@@ -1,12 +1,15 @@
 """SGLang with ``--attention-backend mpfa`` on the GPU: what the SGLang backend issue must show, written to
 ``benchmarks/results/e2e_sglang_h200.json``.
 
-    python -m benchmarks.e2e.sglang_check [--parts agreement,capacity,launch] [--out DIR]
+    python -m benchmarks.e2e.sglang_check [--parts agreement,capacity,launch] [--publish] [--out DIR]
 
 Every configuration runs in its own child process (one ``sglang.Engine`` or server at a time, so a crash
 or a hang in one cannot take the others down and each starts on a free GPU); its log goes to
 ``<out>/logs/``. Rows of the parts run now replace that part's rows in the existing file, so the parts can
-run in separate calls. Parts:
+run in separate calls. ``<out>`` is ``benchmarks/results/scratch`` (git-ignored; the file starts as a copy of the
+published one) unless ``--publish``: then ``benchmarks/results`` (or ``--out``), and only from a run on a GPU
+machine with SGLang whose GPU is the one the published file names and whose rows all succeeded; until then
+its files and logs stay in a folder under scratch (``benchmarks/publish.py``). Parts:
 
 - ``agreement``: the real SmolLM2-135M (``python -m benchmarks.e2e.smollm2_hf`` converts the GGUF first),
   20 prompts cut from the Python standard library sources (16 to 6,000 tokens), greedy, 64 new tokens,
@@ -29,8 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import cli
 from benchmarks import meta as bench_meta
-from benchmarks import results_io
+from benchmarks import publish, results_io
 # RESULT, TABLE and summarize: benchmarks.report finds the file's summary and table through this module.
 from benchmarks.e2e.results import (NEW_TOKENS, RESULT, SCORER, TABLE, read_result, summarize,  # noqa: F401
                                     with_calls, write_rows)
@@ -38,6 +42,7 @@ from mpfa_jit.ops.decode import RECIPES
 
 REPO = Path(__file__).resolve().parents[2]
 PARTS = ("agreement", "capacity", "launch")
+PROG = "python -m benchmarks.e2e.sglang_check"
 SMOLLM2_DIR = REPO / "server_configs" / "models" / "smollm2-135m"
 LLAMA_DIR = REPO / "server_configs" / "models" / "llama-3.1-8b"
 DEFAULT_CONFIG = REPO / "server_configs" / "llama-3.1-8b-qk4pv8.yaml"
@@ -296,9 +301,9 @@ def run_launch_part(out_dir: Path, config: Path, bar, port: int = 30517, timeout
 
 # --- main ----------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.sglang_check", description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
-    ap.add_argument("--out", default=str(results_io.RESULTS_DIR), help="results folder (default: %(default)s)")
+    publish.add_arguments(ap)
     ap.add_argument("--smollm2", default=str(SMOLLM2_DIR), help="SmolLM2 HF folder (benchmarks.e2e.smollm2_hf)")
     ap.add_argument("--prompt-set", choices=("stdlib", "kjv"), default="stdlib",
                     help="agreement prompts: Python standard library code or KJV prose (default: %(default)s)")
@@ -321,16 +326,25 @@ def main(argv=None) -> int:
 
     from mpfa.sglang.settings import load_server_config
     mem_fraction = float(load_server_config(DEFAULT_CONFIG).sglang["mem-fraction-static"])
-    out_dir = Path(args.out)
     graphs_off = not args.no_graphs_off
     recipes = [r for r in args.recipes.split(",") if r]
     if any(r not in RECIPES for r in recipes):
         ap.error(f"--recipes: choose from {', '.join(RECIPES)}, got {args.recipes!r}")
     n = sum(len(_configs(p, smollm2, mem_fraction, graphs_off, recipes)) + (p == "agreement") if p != "launch" else 1
             for p in parts)
-    before = read_result(out_dir)
+    target = publish.destination(ap, args.out, args.publish)
+    scratch = target.resolve() == publish.SCRATCH_DIR.resolve()
+    before = read_result(results_io.RESULTS_DIR if scratch else target)   # scratch: a copy of the published file
     previous = before["rows"]
-    command = "python -m benchmarks.e2e.sglang_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.publish:
+        try:
+            publish.check_machine([f"{RESULT}.json"], target, need_sglang=True)
+        except publish.Refused as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 2
+    # a publishing run writes to staging (logs too); only a run whose rows all succeeded reaches the target
+    out_dir = publish.staging_dir(RESULT) if args.publish else target
+    command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = with_calls(bench_meta.collect(command.strip(), parts=parts), before["meta"])
     new: list[dict] = []
 
@@ -345,6 +359,15 @@ def main(argv=None) -> int:
         if r.get("status") != "ok":
             print(f"{r['part']} {r['config']}: {r.get('error')}", file=sys.stderr)
     print(json.dumps(summarize(rows), indent=1))
+    failed = [r["config"] for r in new if r.get("status") != "ok"]
+    path = out_dir / f"{RESULT}.json"
+    if args.publish and failed:
+        print(publish.failure_line(PROG, failed, path), file=sys.stderr)
+    elif args.publish:
+        for p in publish.promote(out_dir, target):
+            print(f"published {publish.display(p)}", file=sys.stderr)
+    else:
+        print(f"wrote {publish.display(path)}", file=sys.stderr)
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 

@@ -11,18 +11,19 @@ dequantized, not the original checkpoint (docs/accuracy.md).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from benchmarks import cli
+from benchmarks.accuracy import model as accuracy_model
 from benchmarks.accuracy.model import GGUF_NAME, gguf_dir
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "server_configs" / "models" / "smollm2-135m"
 WEIGHT_FILES = ("model.safetensors",)
+PROG = "python -m benchmarks.e2e.smollm2_hf"
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -64,6 +65,7 @@ def hf_config(reader) -> dict:
 
 
 def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
+    import numpy as np   # here, not at import: without the eval extra main() says what is missing
     from gguf.quants import dequantize
     out = {}
     for t in reader.tensors:
@@ -91,6 +93,15 @@ def hf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def missing_requirements() -> str | None:
+    """Why the conversion cannot run here (the eval extra, safetensors or the GGUF package missing), or None."""
+    import importlib.util
+    if importlib.util.find_spec("safetensors") is None:
+        return "safetensors is not installed (pip install 'mpfa[eval]' brings it with transformers)"
+    why = accuracy_model.missing_requirements()
+    return f"{why}; the conversion needs the eval extra: pip install 'mpfa[eval]'" if why else None
+
+
 def convert(out_dir: Path | str = DEFAULT_OUT) -> Path:
     import gguf
     from safetensors.torch import save_file
@@ -114,9 +125,13 @@ def convert(out_dir: Path | str = DEFAULT_OUT) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.smollm2_hf", description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: %(default)s)")
     args = ap.parse_args(argv)
+    why = missing_requirements()
+    if why:
+        print(f"{PROG}: {why}", file=sys.stderr)
+        return 2
     path = convert(args.out)
     print(f"wrote {path} ({sum(f.stat().st_size for f in path.iterdir()) / 2**20:.0f} MiB)")
     return 0

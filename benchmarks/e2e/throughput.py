@@ -30,12 +30,15 @@ from ``max_total_num_tokens`` rows already in the results file, else from the re
 counting prompt + output tokens of every request (the mixed list: whole blocks of five).
 Queues of configurations can share a host, one GPU each (``CUDA_VISIBLE_DEVICES``, ``--port``, see
 ``benchmarks/e2e/queue.sh``); ``python -m benchmarks.e2e.merge_results`` folds their files into one.
-Rows go to ``benchmarks/results/e2e_sglang_h200.json`` (part ``throughput`` / ``soak`` / ``tp``), replacing
-earlier rows of the same configuration and length (or workload); the summary is ``benchmarks.e2e.results``'.
+Rows go to ``<out>/e2e_sglang_h200.json`` (part ``throughput`` / ``soak`` / ``tp``), replacing earlier rows
+of the same configuration and length (or workload); the summary is ``benchmarks.e2e.results``'. ``<out>`` is
+``benchmarks/results/scratch`` (git-ignored; the file starts as a copy of the published one) unless ``--publish``:
+then ``benchmarks/results`` (or ``--out``), and only from a run on a GPU machine with SGLang whose GPU is the one
+the published file names, all of whose servers succeeded; until then the run's file, plot and server logs stay
+in a folder under scratch, which a failed run names (``benchmarks/publish.py``).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -49,8 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from benchmarks import cli
 from benchmarks import meta as bench_meta
-from benchmarks import results_io
+from benchmarks import publish, results_io
 from benchmarks.e2e import results as e2e_results
 from benchmarks.e2e.results import CONFIGS
 from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
@@ -69,6 +73,7 @@ PORT = 30611
 PAGE_SIZE = 16                   # every configuration's --page-size
 WORKLOADS = ("fixed", "mixed")   # --workload: every prompt --input-len tokens, or MIXED_LENGTHS
 PROBE_MIN_OUTPUT = 128           # tokens the concurrency-1 probe generates at least: its ITL averages this many gaps
+PROG = "python -m benchmarks.e2e.throughput"
 
 
 @dataclass(frozen=True)
@@ -487,7 +492,7 @@ def run_meta(command: str, parts, previous_meta: dict) -> dict:
 
 def parse_args(argv):
     """(parser, arguments); the parser reports errors of the checks that need the model's config."""
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e.throughput", description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-3.1-8b")
     ap.add_argument("--workload", choices=WORKLOADS, default="fixed",
                     help="fixed: every prompt --input-len tokens; mixed: short and long prompts together "
@@ -510,8 +515,9 @@ def parse_args(argv):
     ap.add_argument("--tp-model-dir", default="/tmp/mpfa-tp-model", help="where --tp-check writes its saved model")
     ap.add_argument("--port", type=int, default=PORT,
                     help="server port (default %(default)s; one per queue when queues share a host, one GPU each)")
-    ap.add_argument("--out", default=str(results_io.RESULTS_DIR))
+    publish.add_arguments(ap)
     args = ap.parse_args(argv)
+    args.out = publish.destination(ap, args.out, args.publish)
     if not 1024 <= args.port <= 65535:
         ap.error(f"--port must be in 1024..65535, got {args.port}")
     if args.workload == "mixed" and args.input_len is not None:
@@ -583,28 +589,70 @@ def result_line(row: dict) -> str:
                    f"{row.get('itl_concurrency1_mean_ms')} ms")
 
 
+def previous_result(target: Path) -> dict:
+    """The rows this run's rows are merged into: the destination's file, or for a scratch run the published
+    one (a scratch file is the published results plus this run, as a queue's is)."""
+    if Path(target).resolve() == publish.SCRATCH_DIR.resolve():
+        return e2e_results.read_result(results_io.RESULTS_DIR)
+    return e2e_results.read_result(target)
+
+
+def refusal(args) -> str | None:
+    """Why this machine may not publish (no GPU, no SGLang, another GPU than the published file's), or None."""
+    if not args.publish:
+        return None
+    try:
+        publish.check_machine([f"{e2e_results.RESULT}.json"], args.out, need_sglang=True)
+    except publish.Refused as e:
+        return f"{PROG}: {e}"
+    return None
+
+
+def finish(args, rows: list[dict], work: Path) -> int:
+    """Say where the run's files are; a publishing run whose rows all succeeded moves them (results file, plot,
+    server logs) from its staging folder into the published folder."""
+    failed = publish.failed_rows(rows)
+    path = work / f"{e2e_results.RESULT}.json"
+    if args.publish and failed:
+        print(publish.failure_line(PROG, failed, path), file=sys.stderr)
+    elif args.publish:
+        for p in publish.promote(work, args.out):
+            print(f"published {publish.display(p)}", file=sys.stderr)
+    else:
+        head = f"{PROG}: {len(failed)} of {len(rows)} failed; " if failed else ""
+        print(f"{head}wrote {publish.display(path)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     if not configs or any(c not in CONFIGS for c in configs):
         ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
-    out_dir = Path(args.out)
-    log_dir = out_dir / "logs" / "e2e"
-    command = ("python -m benchmarks.e2e.throughput " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    previous = e2e_results.read_result(out_dir)   # read once: this run's rows replace their earlier versions
+    command = (f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    previous = previous_result(args.out)   # read once: this run's rows replace their earlier versions
+    if not (args.soak or args.tp_check):
+        model_cfg = model_config(args.model)
+        vocab, max_pos = model_cfg["vocab_size"], model_cfg["max_position_embeddings"]
+        check_fits(ap, args, max_pos)
+        n = request_count(ap, args, previous["rows"], max_pos)
+    why = refusal(args)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    # a publishing run writes to staging as it goes (a killed run keeps what finished); only a whole
+    # successful run reaches the published folder
+    work = publish.staging_dir(e2e_results.RESULT) if args.publish else args.out
+    log_dir = work / "logs" / "e2e"
     if args.soak or args.tp_check:
         row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
-        e2e_results.write_rows(previous["rows"], [row], out_dir, run_meta(command, [row["part"]], previous["meta"]))
+        e2e_results.write_rows(previous["rows"], [row], work, run_meta(command, [row["part"]], previous["meta"]))
         if args.soak:   # the issue asks for the soak's summary log beside the results
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / f"soak-{args.model}-summary.txt").write_text(
                 f"{command}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
         print(json.dumps(row, indent=1))
-        return 0 if row["status"] == "ok" else 1
-    model_cfg = model_config(args.model)
-    vocab, max_pos = model_cfg["vocab_size"], model_cfg["max_position_embeddings"]
-    check_fits(ap, args, max_pos)
-    n = request_count(ap, args, previous["rows"], max_pos)
+        return finish(args, [row], work)
     lengths = prompt_lengths(args, n, max_pos)
     inputs = inputs_of_lengths(lengths, vocab)
     # the probe: one prompt of the run's length alone; a mixed run has no one length for it to stand for
@@ -620,10 +668,10 @@ def main(argv=None) -> int:
     with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
         for config in configs:
             rows.append(run_config(config, args, inputs, probe_input, probe_output, context, log_dir, bar))
-            e2e_results.write_rows(previous["rows"], rows, out_dir, meta)
+            e2e_results.write_rows(previous["rows"], rows, work, meta)
     for r in rows:
         print(result_line(r))
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return finish(args, rows, work)
 
 
 if __name__ == "__main__":

@@ -384,3 +384,43 @@ def test_fixed_then_mixed_run_write_both_workloads_and_their_ratios(stand_in_sgl
     assert s["mixed_output_throughput_ratio_vs_flashinfer_bf16"]["llama-3.1-8b"] > 1.2
     assert set(s["mixed_ttft_p50_ratio_vs_flashinfer_bf16"]) == {"llama-3.1-8b"}
     assert set(s["wall_time_split_estimate"]) == {"256/flashinfer-bf16", "256/mpfa-qk4pv8"}
+
+
+def test_publish_moves_a_run_into_place_only_when_every_server_succeeded(stand_in_sglang, tmp_path, monkeypatch,
+                                                                          capsys):
+    """--publish runs into a staging folder under scratch; the results file, its plot and the servers' logs reach
+    the published folder only from a run whose servers all succeeded (issue 30: a failed run replaced them)."""
+    from benchmarks import publish
+    # the machine check wants SGLang and the GPU the published file names, neither of which is here; the staging,
+    # the servers (stand-ins), the files and the move are real
+    monkeypatch.setattr(publish, "check_machine", lambda *a, **kw: None)
+    target = tmp_path / "published"
+    argv = ["--configs", "flashinfer-bf16,mpfa-qk4pv8", "--input-len", "256", "--output-len", "16", "--requests", "4",
+            "--port", str(stand_in_sglang), "--out", str(target), "--publish"]
+    assert tp.main(argv) == 0
+    result = results_io.read(target / f"{results.RESULT}.json")
+    assert "--publish" in result["meta"]["command"] and len(result["rows"]) == 2
+    assert (target / f"{results.RESULT}.png").is_file()
+    assert sorted(p.name for p in (target / "logs" / "e2e").iterdir()) == [
+        "throughput-llama-3.1-8b-256-flashinfer-bf16.log", "throughput-llama-3.1-8b-256-mpfa-qk4pv8.log"]
+    assert not [line for line in capsys.readouterr().err.splitlines() if "not published" in line]
+    before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+
+    stand_in = tp.server_argv
+
+    def mpfa_server_fails(config, *a, **kw):
+        argv_, env = stand_in(config, *a, **kw)
+        return ([sys.executable, "-c", "raise SystemExit(3)"] if config == "mpfa-qk4pv8" else argv_), env
+    monkeypatch.setattr(tp, "server_argv", mpfa_server_fails)
+    assert tp.main(argv) == 1
+    err = capsys.readouterr().err
+    line = re.search(r"not published: 1 failed \(llama-3.1-8b/in256/out16/tp1/mpfa-qk4pv8\); wrote (\S+) instead", err)
+    assert line, err
+    staged = Path(line.group(1)).resolve()
+    try:
+        assert publish.SCRATCH_DIR.resolve() in staged.parents and staged.is_file()
+        assert [r["status"] for r in results_io.read(staged)["rows"]] == ["ok", "error"]
+        assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before   # no file, plot or log moved
+    finally:
+        import shutil
+        shutil.rmtree(staged.parent)
