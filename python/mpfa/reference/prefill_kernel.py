@@ -1,0 +1,342 @@
+"""A model of the batch-prefill kernel's own arithmetic (templates/prefill.cu.jinja and
+templates/include/mpfa/prefill/): what the kernel computes, rounding for rounding where it rounds, so that
+the GPU tests can hold the kernel to a bound derived from accumulation order alone
+(tests/gpu/test_prefill_gpu.py). :func:`mpfa.reference.recipe_attention` models the recipe (what
+quantizing Q and P costs); this models the build, which differs from it in three ways the recipe's error
+would otherwise hide:
+
+* P's rounding points: the kernel's online softmax rounds P = 2^(s - m_t) to E4M3 (bf16: to bf16) with
+  m_t the running maximum over the 128-key tiles it has seen so far (tiles of the request's keys from its
+  first, in ascending order: mainloop.cuh), and rescales earlier tiles' sums by 2^(m_t - m_t') as the
+  maximum grows; recipe_attention rounds exp(s - m) with the row's final maximum.
+* the scores' float32 arithmetic (softmax.cuh, log2 units): per-key builds take
+  s = fma(kRoundMagic + S, a_j, fma(-kRoundMagic, a_j, fb_j)) with a_j = fa_j * sq, whose inner FMA rounds
+  to the ulp of kRoundMagic * a_j (one integer unit of S times a_j: up to ~4% of a key's weight at the tests'
+  scales); tile_scale builds without fb take the maxima on the integer scores and round
+  c = (m_tile - m_ref + log2 p_scale) - kRoundMagic * a once per (row, tile); comp_mma builds round each
+  key's compensation term to whole units of the QK product, C_j = rni((mu_Q . Kint_j) / sq).
+* mu_Q's float32 order (prepass_q_mean.cuh): 128-row blocks summed in row order, the blocks' sums in
+  order, then / n; comp_mma's |mu_Q|_1: a warp butterfly per 32 channels, then the warps in order.
+  With mu_Q bit-equal, INT8 Q is byte-equal (mpfa.recipes.int8 is the kernel's quantizer).
+
+What it does not reproduce, and so what a comparison with the kernel must allow for (the test's bound):
+exp2 is exact here (the kernel's ex2.approx.ftz is within 2 ulp, 2^-22 relative, so a P byte flips only
+where P lies that close to an E4M3 rounding point); P V and l accumulate in float64 (the kernel: the FP8
+MMA's reduced-precision accumulator within a tile, float32 across tiles); the output stays float64 (the
+kernel rounds it to bf16). Finite inputs only: non-finite ones have their own rules
+(:mod:`mpfa.reference.attention`) and their own tests.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..recipes import get_recipe
+from ..recipes.fp8 import E4M3_DTYPE, E4M3_MAX, P_SCALE, as_e4m3, row_scale
+from ..recipes.int8 import INT8_MAX, Q_TILE, comp_digits_q_scale, quantize_int, requantize_k_tile
+from .attention import gather_pages, request_kv_lengths
+
+KV_TILE = 128        # keys per tile of the main loop (mpfa_jit/ops/prefill.py KV_TILE)
+MU_ROWS = 128        # rows per block of mu_Q's partial sums (mpfa_jit/ops/prefill.py MU_ROWS)
+ROUND_MAGIC = 12582912.0   # 1.5 * 2^23 (mpfa/quant.cuh kRoundMagic): kRoundMagic + S is exact for |S| < 2^22
+LOG2E = 1.4426950408889634
+_F32, _F64 = torch.float32, torch.float64
+
+
+@dataclass
+class KernelModel:
+    """What :func:`prefill_kernel_attention` returns, float64, rows ``[n, H, ...]``:
+
+    * ``o`` ``[n, H, D]``, ``lse`` ``[n, H]`` (natural log): the output before the kernel's bf16 rounding
+      (0 and -inf for a row that sees no key);
+    * ``o_abs`` ``[n, H, D]``: sum_j w_j |v_j| (w_j = P_j / l), the scale of the P V accumulation's error;
+    * ``o_abs_rest`` ``[n, H, D]``: the same without each row's largest-P key, which no rounding moves: the scale
+      of what P bytes rounding the other way (an ulp apart in the kernel) can change;
+    * ``flip_max`` ``[n, H]``: max_j w_j ||v_j|| over those keys, the most one such P byte can carry.
+    """
+    o: torch.Tensor
+    lse: torch.Tensor
+    o_abs: torch.Tensor
+    o_abs_rest: torch.Tensor
+    flip_max: torch.Tensor
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """Round to float32 (a value computed exactly in float64 -> one float32 rounding, as an FMA or an
+    IEEE operation of the kernel), kept in float64."""
+    return x.to(_F32).to(_F64)
+
+
+def kernel_q_mean(q: torch.Tensor) -> torch.Tensor:
+    """mu_Q ``[H, D]`` float32 of one request's chunk ``q [n, H, D]`` in the pre-pass's order
+    (prepass_q_mean.cuh): each block of MU_ROWS rows summed in row order from 0, the blocks' sums added in
+    order from 0, divided by n. Zeros for an empty chunk."""
+    n = q.shape[0]
+    if n == 0:
+        return q.new_zeros(q.shape[1:], dtype=_F32)
+    qf = q.to(_F32)
+    total = torch.zeros(q.shape[1:], dtype=_F32, device=q.device)
+    for r0 in range(0, n, MU_ROWS):
+        acc = torch.zeros_like(total)
+        for r in range(r0, min(n, r0 + MU_ROWS)):
+            acc = acc + qf[r]
+        total = total + acc
+    return total / float(n)
+
+
+def kernel_mu_l1(mu: torch.Tensor) -> torch.Tensor:
+    """|mu_Q|_1 per head ``[H]`` float32 as q_mean_kernel sums it: within each warp of 32 channels a
+    butterfly (lane i + lane i + 16, then + 8, ...: halving), then the warps' sums in order from 0."""
+    x = mu.to(_F32).abs()
+    warps = x.reshape(x.shape[0], -1, 32)
+    while warps.shape[-1] > 1:
+        h = warps.shape[-1] // 2
+        warps = warps[..., :h] + warps[..., h:]
+    total = torch.zeros(x.shape[0], dtype=_F32, device=x.device)
+    for w in range(warps.shape[1]):
+        total = total + warps[:, w, 0]
+    return total
+
+
+def _fp32_dot_chain(mu: torch.Tensor, k_int: torch.Tensor) -> torch.Tensor:
+    """``dot[h, j] = mu[h] . k_int[h, j]`` as kv_pack's FMA chain: fmaf(mu_c, k_c, dot) over the channels
+    in order, float32 (each step exact in float64, then one rounding). mu [H, D] float32, k_int [H, m, D]."""
+    mu64 = mu.to(_F64)
+    k64 = k_int.to(_F64)
+    dot = torch.zeros(k_int.shape[:2], dtype=_F64, device=k_int.device)
+    for c in range(k_int.shape[-1]):
+        dot = _f32(mu64[:, c:c + 1] * k64[:, :, c] + dot)
+    return dot
+
+
+def _tiles(m: int, tile: int) -> torch.Tensor:
+    return torch.arange(m) // tile
+
+
+def _expand(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[dim], dim=dim) if x.shape[dim] != heads else x
+
+
+def _quantized_q(q, compensation, comp_digits, q_tile, mu):
+    """(INT8 Q [n, H, D] as float64, the scale each row's scores take [H, n] float64, mu_Q [H, D] float32):
+    load_q of q_tile.cuh. Per q_tile rows: amax / 127 (an all-zero tile stores zeros and scores with 0);
+    comp_mma with compensation: one scale per head (comp_digits_q_scale on the kernel's |mu_Q|_1)."""
+    n, heads, d = q.shape
+    qf = q.to(_F32)
+    if mu is None:
+        mu = kernel_q_mean(q) if compensation else qf.new_zeros((heads, d))
+    x = qf - mu.to(_F32)
+    q8 = torch.empty_like(x, dtype=_F64)
+    sq = torch.empty((heads, n), dtype=_F64, device=q.device)
+    if comp_digits and compensation:
+        amax = x.abs().amax(dim=(0, 2)) if n else x.new_zeros(heads)
+        s = comp_digits_q_scale(amax, kernel_mu_l1(mu))
+        for h in range(heads):
+            q8[:, h] = quantize_int(x[:, h], s[h]).to(_F64)
+            sq[h] = s[h].to(_F64)
+        return q8, sq, mu
+    for t0 in range(0, n, q_tile):
+        rows = slice(t0, min(n, t0 + q_tile))
+        amax = x[rows].abs().amax(dim=(0, 2))                 # [H]
+        s = row_scale(amax, INT8_MAX)                          # 1 for an all-zero tile
+        q8[rows] = quantize_int(x[rows], s.view(1, heads, 1)).to(_F64)
+        sq[:, rows] = torch.where(amax == 0, torch.zeros_like(s), s).to(_F64).unsqueeze(-1)
+    return q8, sq, mu
+
+
+def _visible(n: int, m: int, causal: bool, device) -> torch.Tensor:
+    """[n, m] bool: row i sees key j (bottom-right causal alignment)."""
+    j = torch.arange(m, device=device).unsqueeze(0)
+    if not causal:
+        return torch.ones((n, m), dtype=torch.bool, device=device)
+    return j <= torch.arange(n, device=device).unsqueeze(-1) + (m - n)
+
+
+def _tile_max(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``x [H, n, m]`` (masked entries -inf) -> the maxima of each tile of ``tile`` keys ``[H, n, T]``."""
+    m = x.shape[-1]
+    pad = (-m) % tile
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=-math.inf)
+    return x.reshape(*x.shape[:-1], -1, tile).amax(dim=-1)
+
+
+def _per_key(t: torch.Tensor, tile: int, m: int) -> torch.Tensor:
+    """``[H, n, T]`` per-tile values -> ``[H, n, m]`` at each key."""
+    return t.repeat_interleave(tile, dim=-1)[..., :m]
+
+
+def _softmax_weights(arg, visible, m_tile, kv_tile, p_round):
+    """From each key's exp2 argument ``arg [H, n, m]`` (relative to its tile's running maximum) and the
+    tiles' maxima ``m_tile [H, n, T]`` (log2 units, -inf for a tile a row sees no key of): the kernel's P
+    bytes as values (``p_round``), each key's frame factor 2^(m_ref(t) - m_final) (the product of the
+    later tiles' corrections), and m_final ``[H, n]`` (-inf where a row sees no key)."""
+    m_run = torch.cummax(m_tile, dim=-1).values                # fmaxf over the tiles so far
+    m_ref = torch.where(torch.isneginf(m_run), torch.zeros_like(m_run), m_run)
+    m_final = m_run[..., -1]
+    frame = torch.exp2(m_ref - torch.where(torch.isneginf(m_final), torch.zeros_like(m_final),
+                                           m_final).unsqueeze(-1))
+    frame = _per_key(frame, kv_tile, arg.shape[-1])
+    p = torch.where(visible, _f32(torch.exp2(arg)), torch.zeros_like(arg))
+    return p, p_round(p), frame, m_final
+
+
+def _raw_tile_args(s_int, visible, a_t, log2_p, kv_tile):
+    """tile_scale builds without per-key terms (softmax_max_raw): the maxima T on the integer scores,
+    m_tile = fp32(T * a), c = fp32(fp32(fp32(m_tile - m_ref) + log2 p_scale) - kRoundMagic * a) per
+    (row, tile), each score's argument fp32(fma(kRoundMagic + (S - T), a, c))."""
+    m = s_int.shape[-1]
+    t_int = _tile_max(torch.where(visible, s_int, torch.full_like(s_int, -math.inf)), kv_tile)
+    seen = torch.isfinite(t_int)
+    m_tile = torch.where(seen, _f32(torch.where(seen, t_int, torch.zeros_like(t_int)) * a_t),
+                         torch.full_like(t_int, -math.inf))
+    m_run = torch.cummax(m_tile, dim=-1).values
+    m_ref = torch.where(torch.isneginf(m_run), torch.zeros_like(m_run), m_run)
+    c = _f32(_f32(_f32(m_tile - m_ref) + log2_p) - ROUND_MAGIC * a_t)     # kRoundMagic * a: exact (22-bit a)
+    t_key = _per_key(torch.where(seen, t_int, torch.zeros_like(t_int)), kv_tile, m)
+    x = ROUND_MAGIC + (s_int - t_key)
+    arg = _f32(x * _per_key(a_t, kv_tile, m) + _per_key(c, kv_tile, m))
+    return torch.where(visible, arg, torch.full_like(arg, -math.inf)), m_tile
+
+
+def _float_scores_args(s, visible, log2_p, kv_tile):
+    """Builds whose scores are floats before the maxima (per-key scales, tile_scale with per-key terms,
+    bf16): masked scores -inf, the tiles' maxima, base = fp32(m_ref - log2 p_scale), argument fp32(s - base)."""
+    s = torch.where(visible, s, torch.full_like(s, -math.inf))
+    m_tile = _tile_max(s, kv_tile)
+    m_run = torch.cummax(m_tile, dim=-1).values
+    m_ref = torch.where(torch.isneginf(m_run), torch.zeros_like(m_run), m_run)
+    base = _per_key(_f32(m_ref - log2_p), kv_tile, s.shape[-1])
+    return _f32(s - base), m_tile
+
+
+def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float | None = None,
+                             compensation: bool = True, q_tile: int = Q_TILE, p_scale: float = P_SCALE,
+                             comp_digits: bool = False, k_tile: int | None = None, kv_tile: int = KV_TILE,
+                             mu: torch.Tensor | None = None):
+    """One request as the prefill kernel computes it (module docstring), in float64 where the kernel is exact or
+    accumulates. ``q [n, H, D]`` bf16. Quantized recipes: ``k`` = (INT8 rows ``[m, H_kv, D]`` (qk4pv8: the i4rs
+    row's INT8 image), per-token scales ``[m, H_kv]`` float32) as mpfa.KVCacheLayer.k_operand gives them, ``v``
+    ``[m, H_kv, D]`` the dequantized FP8 V (exact in float64); bf16: ``k``, ``v`` the bf16 rows. ``q_tile``,
+    ``p_scale``, ``comp_digits``, ``k_tile``: the build's numerics (mpfa_jit/ops/prefill.py numerics);
+    ``kv_tile``: keys per main-loop tile (the kernel's 128; a tile of all keys gives the final-maximum P of
+    recipe_attention); ``mu``: the smoothing vector ``[H, D]`` to use instead of the kernel's mean (a study of
+    what a wrong one costs).
+
+    Returns a :class:`KernelModel` (o, lse and the scales of the kernel's remaining rounding)."""
+    recipe = get_recipe(recipe)
+    if k_tile is not None and kv_tile != k_tile:
+        raise ValueError(f"kv_tile ({kv_tile}) must equal k_tile ({k_tile}): a tile_scale build's K scale is per "
+                         "main-loop tile")
+    n, heads, d = q.shape
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    score_scale = float(torch.tensor(sm_scale, dtype=_F32) * torch.tensor(LOG2E, dtype=_F32))
+    device = q.device
+    if recipe.quantized_q:
+        k_int, k_scale = k
+        m = k_int.shape[0]
+        kv_tile = max(1, min(kv_tile, m))   # a tile past the last key is that many keys
+        log2_p = float(torch.tensor(math.log2(p_scale), dtype=_F32))
+        if k_tile is not None:   # the pre-pass requantizes each tile to its largest token scale
+            ints, scales = torch.empty_like(k_int), torch.empty_like(k_scale, dtype=_F32)
+            for t0 in range(0, m, k_tile):
+                q8, s_t = requantize_k_tile(k_int[t0:t0 + k_tile].transpose(0, 1),
+                                            k_scale[t0:t0 + k_tile].transpose(0, 1))
+                ints[t0:t0 + k_tile] = q8.transpose(0, 1)
+                scales[t0:t0 + k_tile] = s_t.unsqueeze(0)
+            k_int, k_scale = ints, scales
+        v64 = v.to(_F64)
+        q8, sq, mu = _quantized_q(q, compensation, comp_digits, q_tile, mu)
+        kint_h = _expand(k_int, heads, 1).transpose(0, 1).to(_F64)            # [H, m, D]
+        ks_h = _expand(k_scale.to(_F32), heads, 1).transpose(0, 1)            # [H, m] float32
+        fa = _f32(ks_h.to(_F64) * score_scale)                                # kv_pack's fa_j
+        digits = comp_digits and compensation
+        dot = _fp32_dot_chain(mu, kint_h) if compensation else None
+        s_int = torch.einsum("qhd,hkd->hqk", q8, kint_h)                     # exact: |S| < 2^22
+        if digits:   # C_j = rni(fp32(dot / sq)), added by the MMA's extra k-step
+            c = torch.round((dot.to(_F32) / sq[:, :1].to(_F32)).to(_F64))
+            s_int = s_int + c.unsqueeze(1)
+        visible = _visible(n, m, causal, device)
+        sq3 = sq.unsqueeze(-1)                                                # [H, n, 1]
+        if k_tile is not None:
+            fa_t = fa[:, ::kv_tile].unsqueeze(1)                              # the tile's one factor [H, 1, T]
+            a_t = _f32(fa_t * sq3)
+            a_t = torch.where(a_t == 0, torch.full_like(a_t, 2.0 ** -126), a_t)
+            a_t = (a_t.to(_F32).view(torch.int32) & ~3).view(_F32).to(_F64)   # 22 significant bits
+        raw = k_tile is not None and (comp_digits or not compensation)
+        if raw:
+            arg, m_tile = _raw_tile_args(s_int, visible, a_t, log2_p, kv_tile)
+        else:
+            a = _per_key(a_t, kv_tile, m) if k_tile is not None else _f32(fa.unsqueeze(1) * sq3)
+            fb = torch.zeros_like(fa) if not compensation else _f32(_f32(dot * ks_h.to(_F64)) * score_scale)
+            b = _f32(fb.unsqueeze(1) - ROUND_MAGIC * a)
+            s = _f32((ROUND_MAGIC + s_int) * a + b)
+            arg, m_tile = _float_scores_args(s, visible, log2_p, kv_tile)
+
+        def p_round(p):
+            return as_e4m3(p.clamp(max=E4M3_MAX).to(_F32).to(E4M3_DTYPE)).to(_F64)
+    else:
+        m = k.shape[0]
+        kv_tile = max(1, min(kv_tile, m))
+        log2_p = 0.0
+        v64 = v.to(_F64)
+        kh = _expand(k, heads, 1).to(_F64)
+        s = _f32(_f32(torch.einsum("qhd,khd->hqk", q.to(_F64), kh)) * score_scale)
+        visible = _visible(n, m, causal, device)
+        arg, m_tile = _float_scores_args(s, visible, 0.0, kv_tile)
+
+        def p_round(p):
+            return p.to(torch.bfloat16).to(_F64)
+    p, p8, frame, m_final = _softmax_weights(arg, visible, m_tile, kv_tile, p_round)
+    l = (p * frame).sum(dim=-1)                                               # [H, n]
+    w = p8 * frame / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
+    # The row's largest P is p_scale (exactly 2^log2 p_scale for a power of two; 448 to the last bits, the top of
+    # E4M3, far from a rounding point): no rounding moves it. Any other key's P byte may round the other way where
+    # the kernel's P differs from the model's by an ulp.
+    top = (p * frame).argmax(dim=-1, keepdim=True)
+    w_rest = w.scatter(-1, top, 0.0)
+    vh = _expand(v64, heads, 1)
+    v_norm = vh.norm(dim=-1).transpose(0, 1).unsqueeze(1)                     # [H, 1, m]
+    lse = torch.where(l > 0, (m_final + torch.log2(torch.where(l > 0, l, torch.ones_like(l))) - log2_p) * math.log(2),
+                      torch.full_like(l, -math.inf)).transpose(0, 1)
+    return KernelModel(o=torch.einsum("hqk,khd->qhd", w, vh), lse=lse,
+                       o_abs=torch.einsum("hqk,khd->qhd", w, vh.abs()),
+                       o_abs_rest=torch.einsum("hqk,khd->qhd", w_rest, vh.abs()),
+                       flip_max=(w_rest * v_norm).amax(dim=-1).transpose(0, 1) if m else torch.zeros_like(lse))
+
+
+def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                   *, causal: bool, sm_scale: float | None = None, compensation: bool = True,
+                                   q_tile: int = Q_TILE, p_scale: float = P_SCALE, comp_digits: bool = False,
+                                   k_tile: int | None = None, kv_tile: int = KV_TILE):
+    """:func:`prefill_kernel_attention` over a ragged batch in ``layer`` (an mpfa.KVCacheLayer), the keyword
+    arguments being the build's numerics (mpfa_jit/ops/prefill.py numerics). Returns one :class:`KernelModel` of
+    all rows (zeros and LSE -inf for requests without rows)."""
+    recipe = layer.recipe
+    lengths = request_kv_lengths(paged_kv_indptr, paged_kv_last_page_len, layer.page_size)
+    qo, kv = qo_indptr.tolist(), paged_kv_indptr.tolist()
+    rows_d = torch.zeros((q.shape[0], q.shape[1], layer.head_dim), dtype=_F64, device=q.device)
+    out = KernelModel(o=rows_d, lse=torch.full(q.shape[:2], -math.inf, dtype=_F64, device=q.device),
+                      o_abs=rows_d.clone(), o_abs_rest=rows_d.clone(),
+                      flip_max=torch.zeros(q.shape[:2], dtype=_F64, device=q.device))
+    for b, m in enumerate(lengths):
+        rows = slice(qo[b], qo[b + 1])
+        if rows.stop == rows.start:
+            continue
+        ids = paged_kv_indices[kv[b]:kv[b + 1]].long()
+        local = torch.arange(ids.numel(), device=ids.device)
+        if recipe.quantized_q:
+            k = tuple(gather_pages(x, local, m) for x in layer.k_operand(pages=ids))
+            v8 = gather_pages(layer.fields["v"][ids], local, m)
+            v = as_e4m3(v8).to(_F64) * layer.v_scale.to(_F64).unsqueeze(0)
+        else:
+            k = gather_pages(layer.fields["k"][ids], local, m)
+            v = gather_pages(layer.fields["v"][ids], local, m)
+        one = prefill_kernel_attention(q[rows], k, v, recipe=recipe, causal=causal, sm_scale=sm_scale,
+                                       compensation=compensation, q_tile=q_tile, p_scale=p_scale,
+                                       comp_digits=comp_digits, k_tile=k_tile, kv_tile=kv_tile)
+        for name in ("o", "lse", "o_abs", "o_abs_rest", "flip_max"):
+            getattr(out, name)[rows] = getattr(one, name)
+    return out

@@ -1,0 +1,248 @@
+"""The model of the prefill kernel's arithmetic (mpfa.reference.prefill_kernel) and the GPU prefill tests'
+reference side, on the CPU: the model agrees with recipe_attention where they must, differs from it by about
+what the old 4e-3 floor of tests/gpu/test_prefill_gpu.py allowed (P's running maximum and the fp32 score
+arithmetic), and a broken kernel (a few dropped keys, a wrong mu_Q on a partial Q tile; the model playing the
+broken kernel) lands far past the GPU test's derived bounds, which the unbroken model meets; compensation cuts
+the reference's error on Q with a large mean by the factor the GPU test asks of the kernel; the GPU cases cover
+every GQA group and head_dim x page size of every recipe."""
+import importlib
+import itertools
+import pytest
+import torch
+
+from mpfa.recipes.fp8 import as_e4m3
+from mpfa.reference import gather_pages, kernel_q_mean, prefill_kernel_attention
+from mpfa_jit.ops import prefill as prefill_op
+
+gpu = importlib.import_module("tests.gpu.test_prefill_gpu")
+batches = importlib.import_module("tests.gpu.conftest")
+
+QUANTIZED = ("qk8pv8", "qk4pv8")
+# Fewer heads and shorter requests than the GPU cases (two CPU cores), the same kinds: no prefix, a prefix not
+# page-aligned, chunks over several 64-row Q tiles and 128-key tiles, a one-row chunk, an empty one.
+REQUESTS = [(0, 1), (53, 200), (300, 77), (0, 150), (17, 0)]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _batch(recipe, requests=REQUESTS, *, seed=1, head_dim=128, page_size=16, hkv=2, group=2, q_fn=None):
+    gen = _gen(seed)
+    layer, qo, indptr, indices, last, lengths = gpu._make_batch(batches.make_paged_batch, recipe, head_dim, page_size,
+                                                                hkv, requests, gen, device="cpu")
+    q = (q_fn or batches.make_bf16_rows)(int(qo[-1]), hkv * group, head_dim, gen, device="cpu")
+    return q, layer, qo, indptr, indices, last, lengths
+
+
+def _served(recipe):
+    return prefill_op.numerics(recipe, prefill_op.build_knobs(recipe))
+
+
+def _request_kv(layer, indptr, indices, lengths, b):
+    """Request b's K operand (INT8 rows, scales) or bf16 K, and V (dequantized, float64)."""
+    ids = indices[int(indptr[b]):int(indptr[b + 1])].long()
+    local = torch.arange(ids.numel())
+    m = lengths[b]
+    if layer.recipe.quantized_q:
+        k = tuple(gather_pages(x, local, m) for x in layer.k_operand(pages=ids))
+        v = as_e4m3(gather_pages(layer.fields["v"][ids], local, m)).double() * layer.v_scale.double()
+    else:
+        k = gather_pages(layer.fields["k"][ids], local, m)
+        v = gather_pages(layer.fields["v"][ids], local, m)
+    return k, v
+
+
+@pytest.fixture(scope="module", params=("qk8pv8", "qk4pv8", "bf16"))
+def served(request):
+    """One batch per recipe with every reference of the GPU test (compensation on), computed once."""
+    recipe = request.param
+    q, layer, qo, indptr, indices, last, lengths = _batch(recipe)
+    refs = gpu._refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True, compensation=True)
+    return recipe, q, layer, qo, indptr, indices, last, lengths, refs
+
+
+def _requests_with_rows(qo):
+    return [b for b in range(len(qo) - 1) if int(qo[b + 1]) > int(qo[b])]
+
+
+def test_model_is_within_the_recipes_error_of_exact(served):
+    """The model is the recipe plus rounding details: as close to exact attention as recipe_attention is."""
+    recipe, q, layer, qo, indptr, indices, last, lengths, (exact, quant, model, _, _) = served
+    for b in _requests_with_rows(qo):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        o_x = exact[b][0]
+        err_model, err_ref = gpu._rel_l2(model.o[rows], o_x), gpu._rel_l2(quant[b][0], o_x)
+        assert err_model <= 1.2 * err_ref + 1e-3, (recipe, b, err_model, err_ref)
+        assert (model.lse[rows] - exact[b][1]).abs().max() <= 2 * (quant[b][1] - exact[b][1]).abs().max() + 2e-3
+
+
+def test_model_differs_from_recipe_attention_by_about_the_old_floor(served):
+    """P under the running maximum and the kernel's fp32 scores move the FP8 recipes' outputs by ~1e-3-5e-3
+    rel-L2 from recipe_attention (what the old `max(err_ref, 4e-3)` absorbed), bf16's by far less; a one-key
+    request not at all (its P is exactly the maximum's)."""
+    recipe, q, layer, qo, indptr, indices, last, lengths, (exact, quant, model, _, _) = served
+    diffs = [gpu._rel_l2(model.o[int(qo[b]):int(qo[b + 1])], quant[b][0]) for b in _requests_with_rows(qo)]
+    assert diffs[0] < 1e-5
+    if recipe == "bf16":
+        assert max(diffs) < 1e-3
+    else:
+        assert 1e-3 < max(diffs) < 1e-2, diffs
+
+
+def test_running_maximum_alone_moves_p_by_a_fraction_of_the_old_floor():
+    """The kernel's P under the running maximum of 128-key tiles against one tile of all keys (the row's final
+    maximum), everything else equal (qk8pv8: per-key K scales, so the tile is only the softmax's)."""
+    q, layer, qo, indptr, indices, last, lengths = _batch("qk8pv8")
+    diffs = []
+    for b in _requests_with_rows(qo):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        k, v = _request_kv(layer, indptr, indices, lengths, b)
+        kw = dict(recipe="qk8pv8", causal=True, **_served("qk8pv8"))
+        tiled = prefill_kernel_attention(q[rows], k, v, **kw)
+        whole = prefill_kernel_attention(q[rows], k, v, kv_tile=lengths[b], **kw)
+        diffs.append(gpu._rel_l2(tiled.o, whole.o))
+    assert diffs[0] == 0.0                    # one key: one tile either way
+    assert 1e-4 < max(diffs) < 4e-3, diffs
+
+
+def _stand_in_kernel(model, recipe, gen):
+    """What the kernel returns, as far as the model knows it: the model's output with the P V accumulation error
+    the bound allows at half its size (random signs), rounded to bf16; its LSE in float32."""
+    fam = "bf16" if recipe == "bf16" else "fp8"
+    noise = (torch.rand(model.o.shape, generator=gen, dtype=torch.float64) * 2 - 1) * gpu.U_ACC[fam] / 2
+    return (model.o + noise * model.o_abs).to(torch.bfloat16), model.lse.to(torch.float32)
+
+
+def test_gpu_check_passes_a_kernel_that_matches_the_model(served):
+    """tests/gpu/test_prefill_gpu.py's _check, dry: a stand-in kernel output within the derived bound passes."""
+    recipe, q, layer, qo, indptr, indices, last, lengths, refs = served
+    o, lse = _stand_in_kernel(refs[2], recipe, _gen(3))
+    gpu._check(o, lse, qo, refs, recipe, q, f"{recipe} stand-in")
+
+
+def _broken_dropped_keys(q, layer, qo, indptr, indices, lengths, recipe, drop):
+    """The model playing a kernel that skips the prefix keys ``drop`` of every request (a causal prefix key's
+    removal keeps every later key's alignment)."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    for b in _requests_with_rows(qo):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        k, v = _request_kv(layer, indptr, indices, lengths, b)
+        prefix = lengths[b] - (rows.stop - rows.start)
+        keep = torch.tensor([j not in drop or j >= prefix for j in range(lengths[b])])
+        k = tuple(x[keep] for x in k) if isinstance(k, tuple) else k[keep]
+        o[rows] = prefill_kernel_attention(q[rows], k, v[keep], recipe=recipe, causal=True, **_served(recipe)).o
+    return o
+
+
+def _broken_mu_on_last_tile(q, layer, qo, indptr, indices, lengths, recipe):
+    """The model playing a kernel whose smoothing of each request's last, partial 64-row Q tile uses a mu_Q 1/8 too
+    small (its compensation the right one): Q - mu' = (Q + mu / 8) - mu on those rows."""
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    for b in _requests_with_rows(qo):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        k, v = _request_kv(layer, indptr, indices, lengths, b)
+        qb = q[rows]
+        mu = kernel_q_mean(qb)
+        n = qb.shape[0]
+        wrong = qb.float().clone()
+        wrong[n - n % 64 if n % 64 else n - 64:] += mu / 8
+        o[rows] = prefill_kernel_attention(wrong.to(torch.bfloat16), k, v, recipe=recipe, causal=True, mu=mu,
+                                           **_served(recipe)).o
+    return o
+
+
+@pytest.mark.parametrize("recipe", QUANTIZED)
+@pytest.mark.parametrize("defect", ["dropped keys", "wrong mu_Q on a partial tile"])
+def test_a_broken_kernel_fails_the_gpu_bounds_by_a_wide_margin(recipe, defect):
+    """The GPU test's bounds against a kernel with a defect the old `max(err_ref, 4e-3)` let through: a few
+    prefix keys skipped (3 of each request's) or a wrong mu_Q on the last, partial Q tile; the worst request is
+    far past direct_bound, or a row far past row_bound, and _check says so."""
+    q, layer, qo, indptr, indices, last, lengths = _batch(recipe)
+    refs = gpu._refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True, compensation=True)
+    model = refs[2]
+    if defect == "dropped keys":
+        broken = _broken_dropped_keys(q, layer, qo, indptr, indices, lengths, recipe, drop={5, 17, 40})
+    else:
+        broken = _broken_mu_on_last_tile(q, layer, qo, indptr, indices, lengths, recipe)
+    worst_request, worst_row = 0.0, 0.0
+    for b in _requests_with_rows(qo):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        o = broken[rows].to(torch.bfloat16)
+        worst_request = max(worst_request, gpu._rel_l2(o, model.o[rows]) / gpu.direct_bound(recipe, model, rows))
+        per_row = (o.double() - model.o[rows]).norm(dim=-1) / model.o[rows].norm(dim=-1)
+        worst_row = max(worst_row, (per_row / gpu.row_bound(recipe, model, rows)).max().item())
+    assert max(worst_request, worst_row) > 5, (worst_request, worst_row)
+    with pytest.raises(AssertionError, match="kernel model|exceed their bound"):
+        gpu._check(broken.to(torch.bfloat16), None, qo, refs, recipe, q, "broken")
+
+
+@pytest.mark.parametrize("recipe", QUANTIZED)
+def test_compensation_cuts_the_references_error_on_q_with_a_large_mean(recipe):
+    """The comparison of tests/gpu/test_prefill_gpu.py test_compensation_helps_on_q_with_a_large_mean on the
+    references: recipe_attention and the kernel model, with and without compensation, against exact attention on
+    the build's K, on Q whose smoothing makes the INT8 step STEP_RATIO or more times finer: the error must shrink
+    by 1.5 * COMP_GAIN (room for the kernel's own rounding on top; measured ~9x)."""
+    q, layer, qo, indptr, indices, last, lengths = _batch(recipe, [(500, 384), (64, 300)], seed=11, group=2,
+                                                          q_fn=batches.make_large_mean_q)
+    assert gpu.q_step_ratio(q, qo) >= gpu.STEP_RATIO
+    exact = gpu.exact_on_kernel_k(q, qo, layer, indptr, indices, lengths, recipe)
+    errs = {}
+    for compensation in (True, False):
+        _, quant, model, _, _ = gpu._refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
+                                          compensation=compensation)
+        o_ref = torch.cat([o for o, _ in quant])
+        errs[compensation] = (gpu.request_errors(o_ref, qo, exact), gpu.request_errors(model.o, qo, exact))
+    for i, name in enumerate(("recipe_attention", "kernel model")):
+        assert errs[True][i] * 1.5 * gpu.COMP_GAIN <= errs[False][i], (name, errs)
+
+
+@pytest.mark.parametrize("broken_mu", ["zero", "half"])
+def test_compensation_that_does_not_smooth_fails_the_comparison(broken_mu):
+    """The same comparison with compensation broken in the model: mu_Q = 0 (no smoothing, no rank-one term) or
+    mu_Q / 2: the gain is ~1 or ~2, so the GPU test's COMP_GAIN catches either."""
+    recipe = "qk8pv8"
+    q, layer, qo, indptr, indices, last, lengths = _batch(recipe, [(64, 300)], seed=11, group=2,
+                                                          q_fn=batches.make_large_mean_q)
+    k, v = _request_kv(layer, indptr, indices, lengths, 0)
+    o_x = gpu.exact_on_kernel_k(q, qo, layer, indptr, indices, lengths, recipe)[0]
+    kw = dict(recipe=recipe, causal=True, **_served(recipe))
+    mu = torch.zeros(q.shape[1:]) if broken_mu == "zero" else kernel_q_mean(q) / 2
+    broken = prefill_kernel_attention(q, k, v, compensation=True, mu=mu, **kw)
+    without = prefill_kernel_attention(q, k, v, compensation=False, **kw)
+    right = prefill_kernel_attention(q, k, v, compensation=True, **kw)
+    assert gpu._rel_l2(right.o, o_x) * gpu.COMP_GAIN <= gpu._rel_l2(without.o, o_x)
+    assert gpu._rel_l2(broken.o, o_x) * gpu.COMP_GAIN > gpu._rel_l2(without.o, o_x)
+
+
+def test_kernel_q_mean_sums_128_row_blocks_in_row_order():
+    q = (torch.randn(300, 3, 64, generator=_gen(0)) * 5 + 100).to(torch.bfloat16)
+    blocks = [q[r:r + 128].float() for r in range(0, 300, 128)]
+    total = torch.zeros(3, 64)
+    for blk in blocks:
+        acc = torch.zeros(3, 64)
+        for row in blk:
+            acc = acc + row
+        total = total + acc
+    assert torch.equal(kernel_q_mean(q), total / 300.0)
+    assert (kernel_q_mean(q).double() - q.double().mean(dim=0)).abs().max() < 1e-4
+
+
+def test_the_gpu_cases_cover_every_group_and_build():
+    """tests/gpu/test_prefill_gpu.py CASES: per recipe every (head_dim, page size) build with causal on and off,
+    every GQA group with each head_dim and each causal mode; over the recipes every (page size, group) pair."""
+    cases = gpu.CASES
+    groups = set(prefill_op.GROUP_SIZES)
+    assert {r for r, *_ in cases} == set(gpu.RECIPES)
+    ps_group = set()
+    for recipe in gpu.RECIPES:
+        mine = [c[1:] for c in cases if c[0] == recipe]
+        assert sorted((d, p, c) for d, p, _, c in mine) == sorted(
+            itertools.product(prefill_op.HEAD_DIMS, prefill_op.PAGE_SIZES, (True, False)))
+        for d in prefill_op.HEAD_DIMS:
+            assert {g for dd, _, g, _ in mine if dd == d} == groups
+        for causal in (True, False):
+            assert {g for _, _, g, c in mine if c == causal} == groups
+        ps_group |= {(p, g) for _, p, g, _ in mine}
+    assert ps_group == set(itertools.product(prefill_op.PAGE_SIZES, groups))
+    assert len(cases) == 16 * len(gpu.RECIPES)
