@@ -258,7 +258,9 @@ def test_launch_command_default_config():
     assert a[a.index("--attention-backend") + 1] == "mpfa" and a.count("--attention-backend") == 1
     assert a[a.index("--page-size") + 1] == "16" and a.count("--page-size") == 1
     assert a[a.index("--load-format") + 1] == "dummy"
-    assert "--skip-tokenizer-init" in a and "--disable-prefill-cuda-graph" in a
+    assert "--skip-tokenizer-init" in a
+    # the prefill CUDA graph is the plugin's decision in the server (MPFA_CONFIG names the YAML it reads)
+    assert not any("prefill-cuda-graph" in x or "cuda-graph-backend" in x for x in a)
     assert a[a.index("--context-length") + 1] == "131072"
     assert plan.env == {"MPFA_CONFIG": str(DEFAULT.resolve()), "MPFA_RECIPE": "qk4pv8", "MPFA_COMPENSATION": "1",
                         "MPFA_PAGE_SIZE": "16", "MPFA_KERNEL_BACKEND": "auto", "HF_HUB_OFFLINE": "1"}
@@ -289,6 +291,14 @@ def test_launch_rejects_other_backend(tmp_path):
         L.build_launch(p, env={})
     p.write_text("model: m\nsglang: {page-size: 16, disable-prefill-cuda-graph: false}\n")
     assert "--disable-prefill-cuda-graph" not in L.build_launch(p, env={}).argv   # the YAML's choice wins
+    assert S.resolve_prefill_cuda_graph(env={}, config=S.load_server_config(p))[0] is True   # ... in the plugin too
+    p.write_text("model: m\nsglang: {page-size: 16, disable-prefill-cuda-graph: true}\n")
+    assert "--disable-prefill-cuda-graph" in L.build_launch(p, env={}).argv
+
+
+def test_launch_refuses_a_bad_prefill_graph_setting():
+    with pytest.raises(S.MpfaConfigError, match="MPFA_PREFILL_CUDA_GRAPH must be a boolean"):
+        L.build_launch(DEFAULT, env={"MPFA_PREFILL_CUDA_GRAPH": "sometimes"})
 
 
 def test_launch_cli_print(capsys):
@@ -444,3 +454,269 @@ def test_the_pool_hooks_resolve_the_settings_once(monkeypatch):
     monkeypatch.setenv("MPFA_PAGE_SIZE", "32")
     with pytest.raises(S.MpfaConfigError, match="differs from SGLang's --page-size 16"):
         plugin._settings_for(configurator)
+
+
+# --- the plain command: ServerArgs hooks (page size, prefill CUDA graph) -------------------------------------------
+# SGLang is not installed here: the hooks run on a stand-in ServerArgs holding the fields SGLang 0.5.17's
+# ServerArgs has (server_args.py); _FakeServerArgs.__post_init__ calls its two steps in 0.5.17's order with
+# 0.5.17's effects (_parse_cuda_graph_config: the flags, then SGLang's "breakable" default; _page_size_default:
+# None -> 1), and _apply_around wraps a method as HookRegistry's AROUND does (hook(original, self, ...)).
+
+class _ServerArgsFields:
+    def __init__(self, attention_backend="mpfa", page_size=None, **kw):
+        self.attention_backend, self.page_size = attention_backend, page_size
+        self.prefill_attention_backend = self.decode_attention_backend = None
+        self.disable_cuda_graph = self.disable_prefill_cuda_graph = False
+        self.cuda_graph_backend_prefill = self.cuda_graph_config = None
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class _FakeServerArgs(_ServerArgsFields):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.__post_init__()
+
+    def __post_init__(self):
+        self._handle_cuda_graph_config()
+        self._handle_page_size()
+
+    def _handle_cuda_graph_config(self):
+        if self.cuda_graph_backend_prefill is not None:
+            self.prefill_graph = self.cuda_graph_backend_prefill
+        elif self.disable_cuda_graph or self.disable_prefill_cuda_graph:
+            self.prefill_graph = "disabled"
+        else:
+            self.prefill_graph = "breakable"
+
+    def _handle_page_size(self):
+        if self.page_size is None:
+            self.page_size = 1
+
+
+def _apply_around(monkeypatch, cls, method, hook):
+    original = getattr(cls, method)
+    monkeypatch.setattr(cls, method, lambda self, *a, **k: hook(original, self, *a, **k))
+
+
+@pytest.fixture
+def hooked(monkeypatch):
+    """_FakeServerArgs with mpfa's two ServerArgs hooks applied, in an environment without MPFA_* settings."""
+    plugin = _plugin_source()
+    for name in S.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    cls = type("ServerArgs", (_FakeServerArgs,), {})
+    _apply_around(monkeypatch, cls, "_handle_cuda_graph_config", plugin.handle_cuda_graph_config_hook)
+    _apply_around(monkeypatch, cls, "_handle_page_size", plugin.handle_page_size_hook)
+    return cls
+
+
+def _mpfa_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("mpfa:")]
+
+
+def test_served_page_size():
+    assert S.DEFAULT_PAGE_SIZE == 16 and S.DEFAULT_PAGE_SIZE in S.PAGE_SIZES
+    assert S.served_page_size(env={}) == (16, "default")
+    assert S.served_page_size(env={"MPFA_PAGE_SIZE": "32"}) == (32, "env MPFA_PAGE_SIZE")
+    cfg = S.load_server_config(CONFIGS / "llama-3.1-8b-qk8pv8.yaml")
+    assert S.served_page_size(env={"MPFA_CONFIG": str(cfg.path)}) == (cfg.page_size, f"yaml {cfg.path}")
+    assert S.served_page_size(env={"MPFA_CONFIG": str(cfg.path), "MPFA_PAGE_SIZE": "64"})[0] == 64
+    with pytest.raises(S.MpfaConfigError, match=r"MPFA_PAGE_SIZE must be one of \[1, 16, 32, 64\], got '8'"):
+        S.served_page_size(env={"MPFA_PAGE_SIZE": "8"})
+
+
+def test_plain_command_serves_page_size_16_and_logs_it(hooked, caplog):
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    args = hooked()
+    assert args.page_size == 16
+    lines = [m for m in _mpfa_lines(caplog) if "page size" in m]
+    assert len(lines) == 1 and lines[0].startswith("mpfa: --page-size not given; serving page size 16 "
+                                                   "(mpfa decodes fastest there"), lines
+
+
+@pytest.mark.parametrize("page", [1, 16, 32, 64])
+def test_a_given_page_size_is_left_alone(hooked, caplog, page):
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    assert hooked(page_size=page).page_size == page
+    assert not [m for m in _mpfa_lines(caplog) if "page size" in m]
+
+
+def test_page_size_from_mpfa_settings(hooked, caplog, monkeypatch, tmp_path):
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    monkeypatch.setenv("MPFA_PAGE_SIZE", "32")
+    assert hooked().page_size == 32
+    assert "serving page size 32 (from env MPFA_PAGE_SIZE)" in "\n".join(_mpfa_lines(caplog))
+    monkeypatch.delenv("MPFA_PAGE_SIZE")
+    y = _yaml(tmp_path, "model: m\nsglang: {page-size: 64}\n")
+    monkeypatch.setenv("MPFA_CONFIG", str(y))
+    assert hooked().page_size == 64
+    monkeypatch.setenv("MPFA_PAGE_SIZE", "bad")
+    with pytest.raises(S.MpfaConfigError, match="MPFA_PAGE_SIZE must be one of"):
+        hooked()
+
+
+@pytest.mark.parametrize("backends", [dict(attention_backend="flashinfer"), dict(attention_backend="fa3"),
+                                      dict(attention_backend=None),
+                                      dict(attention_backend="mpfa", decode_attention_backend="flashinfer"),
+                                      dict(attention_backend="fa3", prefill_attention_backend="mpfa")])
+def test_other_backends_are_untouched(hooked, caplog, backends):
+    """SGLang's own defaults for every other backend, a mix with mpfa included (the KV-pool hooks refuse it
+    with their message when the pool is built; the ServerArgs hooks neither act nor raise)."""
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    args = hooked(**backends)
+    assert (args.page_size, args.prefill_graph, args.disable_prefill_cuda_graph) == (1, "breakable", False)
+    assert _mpfa_lines(caplog) == []
+
+
+def test_mpfa_named_for_prefill_and_decode_counts_as_mpfa(hooked):
+    args = hooked(attention_backend=None, prefill_attention_backend="mpfa", decode_attention_backend="mpfa")
+    assert args.page_size == 16 and args.prefill_graph == "disabled"
+
+
+def test_page_size_hook_reads_sglangs_resolving_view(monkeypatch):
+    """A page size SGLang declared for the model before _handle_page_size (0.5.17 keeps it in a stash that
+    resolved_view overlays) is a page size given: the hook leaves it."""
+    from types import SimpleNamespace
+    plugin = _plugin_source()
+    monkeypatch.setattr(plugin, "sglang_attr", lambda module, name: (
+        lambda sa: SimpleNamespace(**{**vars(sa), "page_size": 64})))
+    args, calls = _ServerArgsFields(), []
+    plugin.handle_page_size_hook(lambda sa: calls.append(sa), args)
+    assert args.page_size is None and calls == [args]   # SGLang's step then materializes its 64
+
+
+def test_plain_command_prefill_graph_policy_off(hooked, caplog, monkeypatch):
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", False)
+    args = hooked()
+    assert args.disable_prefill_cuda_graph is True and args.prefill_graph == "disabled"
+    lines = [m for m in _mpfa_lines(caplog) if m.startswith("mpfa: prefill CUDA graph")]
+    assert len(lines) == 1 and lines[0].startswith("mpfa: prefill CUDA graph off: mpfa turned SGLang's default "
+                                                   "prefill graph off (mpfa prefill_cuda_graph policy off, mpfa's "
+                                                   "default; MPFA_PREFILL_CUDA_GRAPH=1"), lines
+
+
+def test_plain_command_prefill_graph_policy_on(hooked, caplog, monkeypatch):
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", True)
+    args = hooked()
+    assert args.disable_prefill_cuda_graph is False and args.prefill_graph == "breakable"
+    lines = [m for m in _mpfa_lines(caplog) if m.startswith("mpfa: prefill CUDA graph")]
+    assert lines == ["mpfa: prefill CUDA graph on: SGLang's default prefill graph kept (mpfa prefill_cuda_graph "
+                     "policy on, mpfa's default)"]
+
+
+@pytest.mark.parametrize("default", [False, True])
+def test_prefill_graph_policy_overrides(hooked, monkeypatch, tmp_path, default):
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", default)
+    for value, on in (("1", True), ("off", False)):
+        monkeypatch.setenv("MPFA_PREFILL_CUDA_GRAPH", value)
+        assert hooked().prefill_graph == ("breakable" if on else "disabled")
+    monkeypatch.delenv("MPFA_PREFILL_CUDA_GRAPH")
+    for text, on in (("mpfa: {prefill_cuda_graph: true}", True), ("mpfa: {prefill_cuda_graph: false}", False),
+                     ("sglang: {disable-prefill-cuda-graph: false}", True)):
+        monkeypatch.setenv("MPFA_CONFIG", str(_yaml(tmp_path, f"model: m\n{text}\n")))
+        assert hooked().prefill_graph == ("breakable" if on else "disabled"), text
+    monkeypatch.setenv("MPFA_PREFILL_CUDA_GRAPH", "maybe")
+    with pytest.raises(S.MpfaConfigError, match="MPFA_PREFILL_CUDA_GRAPH must be a boolean"):
+        hooked()
+
+
+@pytest.mark.parametrize("default", [False, True])
+@pytest.mark.parametrize("flags, graph, said", [
+    (dict(cuda_graph_backend_prefill="breakable"), "breakable", "--cuda-graph-backend-prefill breakable"),
+    (dict(cuda_graph_backend_prefill="disabled"), "disabled", "--cuda-graph-backend-prefill disabled"),
+    (dict(disable_prefill_cuda_graph=True), "disabled", "--disable-prefill-cuda-graph"),
+    (dict(disable_cuda_graph=True), "disabled", "--disable-cuda-graph"),
+    (dict(cuda_graph_config={"prefill": {"backend": "breakable"}}), "breakable", "prefill backend breakable"),
+    (dict(cuda_graph_config='{"prefill": {"backend": "breakable"}}'), "breakable", "prefill backend breakable"),
+])
+def test_a_configured_prefill_graph_is_left_alone(hooked, caplog, monkeypatch, flags, graph, said, default):
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", default)
+    args = hooked(**flags)
+    if "cuda_graph_config" in flags:   # the stand-in's parse ignores the JSON: what matters is mpfa's flag
+        assert args.disable_prefill_cuda_graph is False
+    else:
+        assert args.prefill_graph == graph
+    lines = [m for m in _mpfa_lines(caplog) if m.startswith("mpfa: prefill CUDA graph")]
+    assert len(lines) == 1 and lines[0].startswith("mpfa: prefill CUDA graph as the command line sets it (") \
+        and said in lines[0], lines
+
+
+def test_cuda_graph_config_object_with_only_decode_settings_is_not_a_prefill_choice(hooked, monkeypatch):
+    """SGLang's CudaGraphConfig.to_dict() holds the fields that differ from its defaults."""
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", False)
+
+    class Cfg:
+        def __init__(self, d):
+            self.d = d
+
+        def to_dict(self):
+            return self.d
+    assert hooked(cuda_graph_config=Cfg({"decode": {"max_bs": 64}})).disable_prefill_cuda_graph is True
+    assert hooked(cuda_graph_config=Cfg({"prefill": {"backend": "tc_piecewise"}})).disable_prefill_cuda_graph is False
+
+
+# --- register(): the ServerArgs hooks where SGLang has the methods, a warning where it does not ----------------------
+
+class _FakeRegistry:
+    registered: list = []
+
+    @classmethod
+    def register(cls, target, hook, hook_type):
+        cls.registered.append((target, hook, hook_type))
+
+
+def _fake_sglang(monkeypatch):
+    from types import SimpleNamespace
+    plugin = _plugin_source()
+    _FakeRegistry.registered = []
+    names = {"add_attention_backend_choices": lambda choices: None, "ATTENTION_BACKEND_CHOICES": ["mpfa"],
+             "register_attention_backend": lambda name: (lambda fn: fn), "HookRegistry": _FakeRegistry,
+             "HookType": SimpleNamespace(AROUND="around")}
+    monkeypatch.setattr(plugin, "sglang_attr", lambda module, name: names[name])
+    monkeypatch.setattr(plugin, "_registered", False)
+    return plugin
+
+
+def test_register_hooks_the_server_args_steps(monkeypatch):
+    plugin = _fake_sglang(monkeypatch)
+    monkeypatch.setattr(plugin, "_hook_target_exists", lambda target: True)
+    plugin.register()
+    hooks = {t: (h, ht) for t, h, ht in _FakeRegistry.registered}
+    assert hooks["sglang.srt.server_args.ServerArgs._handle_page_size"] == (plugin.handle_page_size_hook, "around")
+    assert hooks["sglang.srt.server_args.ServerArgs._handle_cuda_graph_config"] == \
+        (plugin.handle_cuda_graph_config_hook, "around")
+    assert set(hooks) == set(plugin.HOOK_TARGETS) | set(plugin.SERVER_ARGS_HOOK_TARGETS)
+
+
+def test_register_without_the_server_args_steps_warns_and_goes_on(monkeypatch, caplog):
+    """SGLang 0.5.23 has neither ServerArgs method (sglang_api.json): register() must not fail, must keep the
+    KV-pool hooks, and must say what to pass instead."""
+    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
+    plugin = _fake_sglang(monkeypatch)
+    assert not plugin._hook_target_exists("mpfa_no_such_module.ServerArgs._handle_page_size")
+    assert not plugin._hook_target_exists("json.JSONDecoder._no_such_method")
+    monkeypatch.setattr(plugin, "_hook_target_exists", lambda target: "ServerArgs" not in target)
+    plugin.register()
+    assert [t for t, _, _ in _FakeRegistry.registered] == list(plugin.HOOK_TARGETS)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2
+    assert any("ServerArgs._handle_page_size" in w and "pass --page-size 16" in w for w in warned), warned
+    assert any("ServerArgs._handle_cuda_graph_config" in w and "--disable-prefill-cuda-graph" in w for w in warned)
+
+
+def test_server_args_hooks_are_recorded_for_0_5_17_only():
+    plugin = _plugin_source()
+    rec = _recorded()
+    keys = [(t.rsplit(".", 2)[0], ".".join(t.rsplit(".", 2)[1:])) for t in plugin.SERVER_ARGS_HOOK_TARGETS]
+    assert keys == [("sglang.srt.server_args", "ServerArgs._handle_cuda_graph_config"),
+                    ("sglang.srt.server_args", "ServerArgs._handle_page_size")]
+    for key in keys + list(plugin.SERVER_ARGS_NAMES):
+        assert key in rec, f"{key} is used by the plugin but not recorded in sglang_api.json"
+        where = rec[key]["0.5.17"]
+        assert where and where["file"].startswith("python/sglang/") and where["line"] > 0
+    for key in keys:   # 0.5.23 resolves ServerArgs in sglang.srt.arg_groups.pipeline: register() warns
+        assert rec[key]["0.5.23"] is None

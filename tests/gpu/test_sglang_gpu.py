@@ -241,14 +241,16 @@ def test_quantized_recipes(recipe, bf16_graphs, logs):
     assert res["max_total_num_tokens"] >= 0.95 * ratio * bf16_graphs["max_total_num_tokens"]
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8"])
+@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8", "qk4pv8"])
 def test_breakable_prefill_graph_gives_the_eager_prefills_tokens(recipe, logs):
     # SGLang's default prefill graph runs attention eagerly on its capture's dummy batches (all K/V at the
     # padding slot): they must not fix the quantized pool's scales (mpfa.sglang.calibration), so the first
     # request calibrates as it does with the prefill graph off; bf16 (nothing to calibrate) is the control
-    # for the graph's own numerics
+    # for the graph's own numerics. The graph is asked for explicitly (cuda_graph_backend_prefill): the plugin's
+    # prefill-graph policy leaves an explicit setting alone, whatever the policy says
     eager = _ok(_graphs_on(recipe, logs))
-    graph = _ok(_run("mpfa", recipe, graphs=True, tmp_path=logs / "prefill-graph", disable_prefill_cuda_graph=False))
+    graph = _ok(_run("mpfa", recipe, graphs=True, tmp_path=logs / "prefill-graph", disable_prefill_cuda_graph=False,
+                     cuda_graph_backend_prefill="breakable"))
     assert graph["passes"][0]["output_ids"] == eager["passes"][0]["output_ids"]
 
 

@@ -7,7 +7,9 @@
 The command is ``python -m sglang.launch_server --model-path <abs model dir> --attention-backend mpfa
 --page-size <P> ...`` (every key of the YAML's ``sglang:`` section as ``--key value``); the environment adds
 MPFA_CONFIG, MPFA_RECIPE, MPFA_COMPENSATION, MPFA_PAGE_SIZE, MPFA_KERNEL_BACKEND and HF_HUB_OFFLINE=1.
-Environment variables already set override the YAML (see mpfa.sglang.settings).
+Environment variables already set override the YAML (see mpfa.sglang.settings). The prefill CUDA graph is
+left to the plugin, which decides in the server as for a plain ``sglang.launch_server`` command (the YAML's
+``mpfa.prefill_cuda_graph``, ``MPFA_PREFILL_CUDA_GRAPH``, else mpfa's default; mpfa.sglang.plugin).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Mapping
 
 from .model import UnsupportedModelError, check_hf_config, read_hf_config
 from .settings import (BACKEND_NAME, ENV_COMPENSATION, ENV_CONFIG, ENV_KERNEL_BACKEND, ENV_PAGE_SIZE, ENV_RECIPE,
-                       MpfaConfigError, MpfaSettings, ServerConfig, load_server_config, resolve_settings)
+                       MpfaConfigError, MpfaSettings, ServerConfig, load_server_config, resolve_prefill_cuda_graph,
+                       resolve_settings)
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,10 @@ def build_launch(config_path, *, extra_args=(), env: Mapping[str, str] | None = 
     options.pop("attention-backend", None)  # mpfa, stated once below
     settings, _ = server_settings(cfg, env)
     options["page-size"] = settings.page_size
-    # Extend batches are planned on the host per batch: mpfa runs prefill eagerly unless the YAML asks otherwise.
-    if "disable-prefill-cuda-graph" not in options and not cfg.mpfa.get("prefill_cuda_graph", False):
-        options["disable-prefill-cuda-graph"] = True
+    # The prefill CUDA graph is the plugin's decision in the server (settings.resolve_prefill_cuda_graph, from
+    # MPFA_PREFILL_CUDA_GRAPH or this YAML, which MPFA_CONFIG names), as for a plain sglang.launch_server command:
+    # no flag here. Resolved once now so that a bad value stops the launcher, not the server.
+    resolve_prefill_cuda_graph(env=env, config=cfg)
     argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model_dir),
             "--attention-backend", BACKEND_NAME] + sglang_args(options) + [str(a) for a in extra_args]
     new_env = {ENV_CONFIG: str(path), ENV_RECIPE: settings.recipe,
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0],
         epilog="Arguments after -- go to python -m sglang.launch_server unchanged, after the config's own "
                "(e.g. -- --port 30001 --host 0.0.0.0). Settings: MPFA_RECIPE, MPFA_COMPENSATION, MPFA_PAGE_SIZE, "
-               "MPFA_KERNEL_BACKEND override the YAML (docs/sglang.md).")
+               "MPFA_KERNEL_BACKEND, MPFA_PREFILL_CUDA_GRAPH override the YAML (docs/sglang.md).")
     p.add_argument("config", help="server config YAML (server_configs/*.yaml)")
     p.add_argument("--print", dest="print_only", action="store_true", help="print the command, do not run it")
     args = p.parse_args(argv)

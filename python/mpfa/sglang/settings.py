@@ -8,10 +8,18 @@ A server config (server_configs/*.yaml)::
 
 Where each setting comes from, highest precedence first:
 
-1. environment variables: ``MPFA_RECIPE``, ``MPFA_COMPENSATION``, ``MPFA_PAGE_SIZE``, ``MPFA_KERNEL_BACKEND``;
+1. environment variables: ``MPFA_RECIPE``, ``MPFA_COMPENSATION``, ``MPFA_PAGE_SIZE``, ``MPFA_KERNEL_BACKEND``,
+   ``MPFA_PREFILL_CUDA_GRAPH``;
 2. the server config named by ``MPFA_CONFIG`` (``python -m mpfa.sglang.launch`` sets it): its ``mpfa:``
    section, and its page size ``sglang.page-size``;
-3. defaults: recipe ``qk4pv8``, compensation on, page size = SGLang's ``--page-size``, kernel backend ``auto``.
+3. defaults: recipe ``qk4pv8``, compensation on, page size = SGLang's ``--page-size``, kernel backend ``auto``,
+   prefill CUDA graph :data:`PREFILL_CUDA_GRAPH`.
+
+A server started without ``--page-size`` (the plain ``python -m sglang.launch_server --attention-backend mpfa``)
+serves :func:`served_page_size`: ``MPFA_PAGE_SIZE``, else the YAML's ``sglang.page-size``, else
+:data:`DEFAULT_PAGE_SIZE` (the plugin sets SGLang's ``page_size`` to it and logs it). Whether SGLang's default
+prefill CUDA graph stays on is :func:`resolve_prefill_cuda_graph` (the plugin turns it off itself when that
+says no and the command line does not configure the prefill graph).
 
 Every ``sglang:`` key must be a flag of ``python -m sglang.launch_server`` in SGLang 0.5.17 (recorded in
 sglang_api.json; a near miss names the flag it resembles), other than ``model-path`` (the top-level ``model``)
@@ -46,10 +54,22 @@ ENV_COMPENSATION = "MPFA_COMPENSATION"
 ENV_PAGE_SIZE = "MPFA_PAGE_SIZE"
 ENV_KERNEL_BACKEND = "MPFA_KERNEL_BACKEND"
 ENV_CONFIG = "MPFA_CONFIG"
-ENV_VARS = (ENV_RECIPE, ENV_COMPENSATION, ENV_PAGE_SIZE, ENV_KERNEL_BACKEND, ENV_CONFIG)
+ENV_PREFILL_CUDA_GRAPH = "MPFA_PREFILL_CUDA_GRAPH"
+ENV_VARS = (ENV_RECIPE, ENV_COMPENSATION, ENV_PAGE_SIZE, ENV_KERNEL_BACKEND, ENV_CONFIG, ENV_PREFILL_CUDA_GRAPH)
 
 KERNEL_BACKENDS = ("auto", "reference")   # "reference": the PyTorch oracle, by name only (debugging)
 PAGE_SIZES = _append_op.PAGE_SIZES        # every op serves the pages the cache holds (mpfa.sglang.model checks)
+# The page size a server started without --page-size serves (SGLang's own default is 1): mpfa decodes fastest
+# at 16. H200, docs/design/decode.md: qk4pv8 decode reads 0.86-0.88 of HBM bandwidth at page 16 against 0.62-0.65
+# at page 1 (665 us against 480 us at 32 x 32K: a page-1 token is five pieces in five arrays, each its own burst),
+# qk8pv8 0.89-0.91 against 0.80-0.84; 32 and 64 serve too but were not measured faster.
+DEFAULT_PAGE_SIZE = 16
+# Whether mpfa leaves SGLang's default prefill CUDA graph (0.5.17: "breakable", attention eager between captured
+# segments) on when the command line does not configure the prefill graph. Off: every measured run so far had
+# it off (the launcher added --disable-prefill-cuda-graph). The H200 A/B decides
+# (python -m benchmarks.e2e.prefill_graph_ab: the same tokens as eager and a TTFT at least as good -> True).
+# MPFA_PREFILL_CUDA_GRAPH or the YAML's mpfa.prefill_cuda_graph override it.
+PREFILL_CUDA_GRAPH = False
 TOP_LEVEL_KEYS = ("model", "sglang", "mpfa")
 SGLANG_VERSION = "0.5.17"   # the server flags a config's sglang: section is checked against (sglang_api.json)
 # SGLang's long spellings of the flags mpfa reads: one name each in ServerConfig.sglang
@@ -268,6 +288,41 @@ def config_from_env(env: Mapping[str, str]) -> ServerConfig | None:
         return load_server_config(env[ENV_CONFIG])
     except MpfaConfigError as e:
         raise MpfaConfigError(f"{ENV_CONFIG}={e}") from None
+
+
+def served_page_size(env: Mapping[str, str] | None = None, config: ServerConfig | None = None) -> tuple[int, str]:
+    """(page size, where it came from) of a server whose command line gives no ``--page-size``:
+    ``MPFA_PAGE_SIZE``, else ``sglang.page-size`` of the YAML ``MPFA_CONFIG`` names (or ``config``), else
+    :data:`DEFAULT_PAGE_SIZE`. The source reads as in :attr:`MpfaSettings.sources`."""
+    env = os.environ if env is None else env
+    if env.get(ENV_PAGE_SIZE, "") != "":
+        return parse_page_size(ENV_PAGE_SIZE, env[ENV_PAGE_SIZE]), f"env {ENV_PAGE_SIZE}"
+    if config is None:
+        config = config_from_env(env)
+    if config is not None and config.page_size is not None:
+        return config.page_size, f"yaml {config.path}"
+    return DEFAULT_PAGE_SIZE, "default"
+
+
+def resolve_prefill_cuda_graph(env: Mapping[str, str] | None = None,
+                               config: ServerConfig | None = None) -> tuple[bool, str]:
+    """(keep SGLang's default prefill CUDA graph on, where that came from): ``MPFA_PREFILL_CUDA_GRAPH``, else the
+    YAML's ``mpfa.prefill_cuda_graph``, else its ``sglang.disable-prefill-cuda-graph: false`` (on: the flag the
+    launcher leaves out), else :data:`PREFILL_CUDA_GRAPH`. Only for a command line that does not configure the
+    prefill graph itself (``--disable-prefill-cuda-graph``, ``--cuda-graph-backend-prefill``, ``--cuda-graph-config``
+    with a prefill backend): those always win (mpfa.sglang.plugin)."""
+    env = os.environ if env is None else env
+    if env.get(ENV_PREFILL_CUDA_GRAPH, "") != "":
+        return parse_bool(ENV_PREFILL_CUDA_GRAPH, env[ENV_PREFILL_CUDA_GRAPH]), f"env {ENV_PREFILL_CUDA_GRAPH}"
+    if config is None:
+        config = config_from_env(env)
+    if config is not None:
+        if config.mpfa.get("prefill_cuda_graph") is not None:
+            return config.mpfa["prefill_cuda_graph"], f"yaml {config.path}"
+        flag = config.sglang.get("disable-prefill-cuda-graph")
+        if flag is not None:
+            return not parse_bool(f"{config.path}: sglang.disable-prefill-cuda-graph", flag), f"yaml {config.path}"
+    return PREFILL_CUDA_GRAPH, "default"
 
 
 def resolve_settings(*, server_page_size: int | None = None, env: Mapping[str, str] | None = None,
