@@ -118,12 +118,9 @@ def main(argv=None) -> int:
     from benchmarks import meta as bench_meta
     command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
     target = publish.destination(ap, args.out, args.publish, published=STUDIES, scratch=publish.SCRATCH_DIR / "studies")
-    if args.publish:
-        try:
-            publish.check_machine([f"{args.name}.json"], target, published=STUDIES)
-        except publish.Refused as e:
-            print(f"{PROG}: {e}", file=sys.stderr)
-            return 2
+    if args.publish and (refused := publish.refusal(PROG, [f"{args.name}.json"], target, published=STUDIES)):
+        print(refused, file=sys.stderr)
+        return 2
     meta = bench_meta.collect(command.strip(), parts=["prefill_variants"])
     rows: list[dict] = []
     work = publish.staging_dir(args.name) if args.publish else target   # published only once every row is in

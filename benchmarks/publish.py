@@ -132,6 +132,16 @@ def check_machine(relpaths: list[str], target: Path, *, need_sglang: bool = Fals
         raise Refused(f"not published: {why}")
 
 
+def refusal(prog: str, relpaths: list[str], target: Path, **kw) -> str | None:
+    """The one line a publishing run prints before measuring when this machine may not publish (check_machine's
+    reason, after ``prog``), or None."""
+    try:
+        check_machine(relpaths, target, **kw)
+    except Refused as e:
+        return f"{prog}: {e}"
+    return None
+
+
 def failed_rows(rows: list[dict]) -> list[str]:
     """Ids (or configurations) of the rows whose status is "error": a run with any of them is not published."""
     return [str(r.get("id") or r.get("group") or r.get("config") or "?") for r in rows if r.get("status") == "error"]

@@ -5,7 +5,7 @@
 Per suite it writes `<out>/<RESULT>.json` ({"meta", "summary", "rows"}, ceiling rows
 included) and `<out>/<RESULT>.png`, and prints the suite's table. `<out>` is
 benchmarks/results/scratch (git-ignored) unless `--publish`: then benchmarks/results (or `--out`),
-and README.md's bench section is rewritten when that is the committed folder. A publishing run
+and benchmarks/RESULTS.md's tables are rewritten when that is the committed folder (`--no-readme`: not). A publishing run
 refuses before measuring on a GPU other than the one the published files name, and a suite with a
 failed row (any implementation) goes to scratch instead (benchmarks/publish.py). `--repeat 2` runs
 every case twice and stores each row's `spread` (relative difference of the two medians) and the
@@ -111,7 +111,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="cap on memory for rotated input sets per case")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--no-readme", action="store_true",
+                    help="do not rewrite benchmarks/RESULTS.md (the option predates that file)")
     publish.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.repeat < 1:
@@ -132,12 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch = require_cuda()
     props = torch.cuda.get_device_properties(0)
-    if args.publish:
-        try:
-            publish.check_machine([f"{m.RESULT}.json" for m in mods], args.out, found=props.name)
-        except publish.Refused as e:
-            print(f"benchmarks.run: {e}", file=sys.stderr)
-            return 2
+    if args.publish and (refused := publish.refusal("benchmarks.run", [f"{m.RESULT}.json" for m in mods], args.out,
+                                                     found=props.name)):
+        print(refused, file=sys.stderr)
+        return 2
 
     ctx = suites.Context(
         quick=args.quick,

@@ -62,12 +62,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU with FP8 tensor cores (sm_89+)", file=sys.stderr)
         return 2
-    if args.publish:
-        try:
-            publish.check_machine([out.name], out.parent, published=STUDIES)
-        except publish.Refused as e:
-            print(f"{PROG}: {e}", file=sys.stderr)
-            return 2
+    if args.publish and (refused := publish.refusal(PROG, [out.name], out.parent, published=STUDIES)):
+        print(refused, file=sys.stderr)
+        return 2
     rows = []
     for fast in (True, False):
         for k in (32, 64, 128):

@@ -336,12 +336,9 @@ def main(argv=None) -> int:
     scratch = target.resolve() == publish.SCRATCH_DIR.resolve()
     before = read_result(results_io.RESULTS_DIR if scratch else target)   # scratch: a copy of the published file
     previous = before["rows"]
-    if args.publish:
-        try:
-            publish.check_machine([f"{RESULT}.json"], target, need_sglang=True)
-        except publish.Refused as e:
-            print(f"{PROG}: {e}", file=sys.stderr)
-            return 2
+    if args.publish and (refused := publish.refusal(PROG, [f"{RESULT}.json"], target, need_sglang=True)):
+        print(refused, file=sys.stderr)
+        return 2
     # a publishing run writes to staging (logs too); only a run whose rows all succeeded reaches the target
     out_dir = publish.staging_dir(RESULT) if args.publish else target
     command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])

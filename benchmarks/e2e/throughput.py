@@ -601,11 +601,7 @@ def refusal(args) -> str | None:
     """Why this machine may not publish (no GPU, no SGLang, another GPU than the published file's), or None."""
     if not args.publish:
         return None
-    try:
-        publish.check_machine([f"{e2e_results.RESULT}.json"], args.out, need_sglang=True)
-    except publish.Refused as e:
-        return f"{PROG}: {e}"
-    return None
+    return publish.refusal(PROG, [f"{e2e_results.RESULT}.json"], args.out, need_sglang=True)
 
 
 def finish(args, rows: list[dict], work: Path) -> int:

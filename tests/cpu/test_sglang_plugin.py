@@ -586,25 +586,23 @@ def test_page_size_hook_reads_sglangs_resolving_view(monkeypatch):
     assert args.page_size is None and calls == [args]   # SGLang's step then materializes its 64
 
 
-def test_plain_command_prefill_graph_policy_off(hooked, caplog, monkeypatch):
-    caplog.set_level("INFO", logger="mpfa.sglang.plugin")
-    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", False)
-    args = hooked()
-    assert args.disable_prefill_cuda_graph is True and args.prefill_graph == "disabled"
-    lines = [m for m in _mpfa_lines(caplog) if m.startswith("mpfa: prefill CUDA graph")]
-    assert len(lines) == 1 and lines[0].startswith("mpfa: prefill CUDA graph off: mpfa turned SGLang's default "
-                                                   "prefill graph off (mpfa prefill_cuda_graph policy off, mpfa's "
-                                                   "default; MPFA_PREFILL_CUDA_GRAPH=1"), lines
+# (policy, disable_prefill_cuda_graph after the hook, the graph SGLang then derives, the start of the one log line)
+_POLICY_LINES = [
+    (False, True, "disabled", "mpfa: prefill CUDA graph off: mpfa turned SGLang's default prefill graph off (mpfa "
+                              "prefill_cuda_graph policy off, mpfa's default; MPFA_PREFILL_CUDA_GRAPH=1"),
+    (True, False, "breakable", "mpfa: prefill CUDA graph on: SGLang's default prefill graph kept (mpfa "
+                               "prefill_cuda_graph policy on, mpfa's default)"),
+]
 
 
-def test_plain_command_prefill_graph_policy_on(hooked, caplog, monkeypatch):
+@pytest.mark.parametrize("policy,disabled,graph,line", _POLICY_LINES, ids=["policy-off", "policy-on"])
+def test_plain_command_prefill_graph_policy(policy, disabled, graph, line, hooked, caplog, monkeypatch):
     caplog.set_level("INFO", logger="mpfa.sglang.plugin")
-    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", True)
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", policy)
     args = hooked()
-    assert args.disable_prefill_cuda_graph is False and args.prefill_graph == "breakable"
+    assert args.disable_prefill_cuda_graph is disabled and args.prefill_graph == graph
     lines = [m for m in _mpfa_lines(caplog) if m.startswith("mpfa: prefill CUDA graph")]
-    assert lines == ["mpfa: prefill CUDA graph on: SGLang's default prefill graph kept (mpfa prefill_cuda_graph "
-                     "policy on, mpfa's default)"]
+    assert len(lines) == 1 and lines[0].startswith(line), lines
 
 
 @pytest.mark.parametrize("default", [False, True])
