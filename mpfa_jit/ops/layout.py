@@ -1,13 +1,13 @@
 """The cache layout a kernel specialization compiles against, from the one definition of it: the Field
-table of ``mpfa.recipes`` (python/mpfa/recipes/recipe.py). Rendered into every kernel template as
-``cache_fields`` and checked there against ``mpfa::CacheLayout`` (templates/cache_layout_check.jinja)."""
+table in ``mpfa_jit.formats``. Rendered into every kernel template as ``cache_fields`` and checked there
+against ``mpfa::CacheLayout`` (templates/cache_layout_check.jinja)."""
 from __future__ import annotations
+
+from ..formats import get_recipe
 
 
 def cache_fields(recipe: str, head_dim: int) -> tuple[tuple[str, int], ...]:
     """(field name, bytes per token and KV head) of ``recipe``'s cache at ``head_dim``, in the table's order."""
-    from mpfa.recipes.recipe import get_recipe   # imported here: mpfa imports mpfa_jit at module level
-
     return tuple((f.name, f.numel(head_dim) * f.itemsize()) for f in get_recipe(recipe).fields)
 
 

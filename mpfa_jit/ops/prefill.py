@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 
+from ..formats import COMP_DIGITS, COMP_SCALE_DIVISOR, P_SCALE, P_SCALE_POW2, Q_TILE
 from ..spec import KernelSpec
 from .layout import layout_context
 from .support import ALL_RECIPES, check, gqa_group
@@ -66,10 +67,9 @@ def build_knobs(recipe: str, knobs: dict | None = None) -> dict:
 
 def tile_rows(knobs: dict) -> tuple[int, int]:
     """(query rows per CTA, query rows per INT8 Q scale) of a build (``knobs``: build_knobs). The Q scale tile is
-    the recipe's (mpfa.recipes.int8.Q_TILE, whole 64-row warpgroups) unless comp_mma gives each (request, head)
+    the recipe's (formats.Q_TILE, whole 64-row warpgroups) unless comp_mma gives each (request, head)
     one; the CTA holds two consumer warpgroups' rows, or three's with ``consumers=3`` (with ``pingpong=0``)."""
-    from mpfa.recipes.int8 import Q_TILE as q_scale_rows   # imported here: mpfa imports mpfa_jit at module level
-    return WG_ROWS * knobs.get("consumers", 2), q_scale_rows
+    return WG_ROWS * knobs.get("consumers", 2), Q_TILE
 
 
 def numerics(recipe: str, knobs: dict) -> dict:
@@ -88,7 +88,6 @@ def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
     per-key factor vector fa (quantized recipes; fb, per query head, has its size); and per query head, the
     compensation digit image of comp_mma builds (cd: KV_TILE x COMP_DIGITS bytes)."""
     elt = 2 if recipe == "bf16" else 1
-    from mpfa.recipes.int8 import COMP_DIGITS
     return {"k": KV_TILE * head_dim * elt, "v": KV_TILE * head_dim * elt, "fa": 0 if recipe == "bf16" else KV_TILE * 4,
             "cd": 0 if recipe == "bf16" else KV_TILE * COMP_DIGITS}
 
@@ -109,15 +108,12 @@ class PrefillParams(ctypes.Structure):
 
 
 def p_scale(knobs: dict) -> float:
-    """The scale of P before its E4M3 rounding in a build (mpfa.recipes.fp8: P_SCALE; ``tile_scale=1`` takes
-    P_SCALE_POW2)."""
-    from mpfa.recipes.fp8 import P_SCALE, P_SCALE_POW2   # imported here: mpfa imports mpfa_jit at module level
+    """The scale of P before its E4M3 rounding in a build (formats.P_SCALE; ``tile_scale=1`` takes P_SCALE_POW2)."""
     return P_SCALE_POW2 if knobs.get("tile_scale") else P_SCALE
 
 
 def render_context(recipe: str, head_dim: int, knobs: dict) -> dict:
     """What the template renders besides the key: the cache layout check, the tile sizes above and P's scale."""
-    from mpfa.recipes.int8 import COMP_DIGITS, COMP_SCALE_DIVISOR
     img = image_bytes(recipe, head_dim)
     q_tile, q_scale_rows = tile_rows(knobs)
     return dict(layout_context(recipe, head_dim), q_tile=q_tile, q_scale_rows=q_scale_rows, kv_tile=KV_TILE,

@@ -1,37 +1,13 @@
-"""What every op's support table shares: the recipe names (defined once, by ``mpfa.recipes``) and the
+"""What every op's support table shares: the recipe names (defined once, in ``mpfa_jit.formats``) and the
 error an unsupported specialization raises."""
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ..errors import UnknownKernelError
+from ..formats import RECIPES
 
 
-class _RecipeNames(Sequence):
-    """The names of ``mpfa.recipes.RECIPES``, read at first use: mpfa imports mpfa_jit at module level, so
-    mpfa_jit cannot import mpfa while it is itself being imported."""
-
-    def _names(self) -> tuple[str, ...]:
-        from mpfa.recipes.recipe import RECIPES
-        return tuple(RECIPES)
-
-    def __getitem__(self, i):
-        return self._names()[i]
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __eq__(self, other) -> bool:
-        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return repr(self._names())
-
-
-# Every kernel is built for every recipe mpfa.recipes defines.
-ALL_RECIPES = _RecipeNames()
+# Every kernel is built for every recipe (mpfa_jit.formats defines them).
+ALL_RECIPES = tuple(RECIPES)
 
 
 def _must(values) -> str:

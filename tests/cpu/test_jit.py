@@ -190,7 +190,7 @@ def test_sass_has_fp8_conversion_and_no_spills(jit_cache, sass_tools):
 @pytest.mark.nvcc
 def test_warmup_and_cache_cli(jit_cache, capsys):
     from mpfa_jit import cache as cache_cli
-    from mpfa_jit import warmup
+    from mpfa.sglang import warmup
     cfg = os.path.join(os.path.dirname(__file__), "..", "..", "server_configs", "llama-3.1-8b-qk4pv8.yaml")
     assert warmup.main([cfg, "--arch", ARCH, "--no-progress"]) == 0
     out = capsys.readouterr().out

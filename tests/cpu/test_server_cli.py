@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from mpfa_jit import warmup as W
+from mpfa.sglang import warmup as W
 from mpfa.sglang import launch as L
 from mpfa.sglang.kernels import server_kernel_specs
 from mpfa.sglang.model import UnsupportedModelError, check_model_supported
@@ -243,7 +243,7 @@ def test_launch_help_mentions_double_dash_for_sglang_arguments():
 def test_warmup_cli_bad_usage_through_the_interpreter(tmp_path):
     """The installed entry (python -m) prints the one line and exits 2, with no traceback."""
     env = {**os.environ, "MPFA_CUDA_ARCH": ARCH, "MPFA_CACHE_DIR": str(tmp_path / "cache")}
-    r = subprocess.run([sys.executable, "-m", "mpfa_jit.warmup", "--num-qo-heads", "32", "--num-kv-heads", "8",
+    r = subprocess.run([sys.executable, "-m", "mpfa.sglang.warmup", "--num-qo-heads", "32", "--num-kv-heads", "8",
                         "--head-dim", "256", "--page-size", "16"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == ["mpfa warmup: error: --attention-backend mpfa cannot serve this model: head_dim "
@@ -260,7 +260,8 @@ def test_log_lines_go_above_the_progress_bar():
     logger.setLevel(logging.INFO)
     logger.handlers = [logging.StreamHandler(stream)]
     bar = tqdm(total=3, desc="mpfa warmup", file=stream, mininterval=0)
-    with W.logs_above(bar, logger):
+    from mpfa_jit.warmup import logs_above
+    with logs_above(bar, logger):
         bar.update(1)
         logger.info("mpfa_jit: built decode_x in 1.0 s")
         bar.update(1)
@@ -314,7 +315,7 @@ def _warmup_subprocess(cache: Path, limit_file_size: bool = False):
     import resource
     env = {**os.environ, "MPFA_CUDA_ARCH": ARCH, "MPFA_CACHE_DIR": str(cache)}
     limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))) if limit_file_size else None
-    return subprocess.run([sys.executable, "-m", "mpfa_jit.warmup", "--num-qo-heads", "32", "--num-kv-heads", "8",
+    return subprocess.run([sys.executable, "-m", "mpfa.sglang.warmup", "--num-qo-heads", "32", "--num-kv-heads", "8",
                            "--head-dim", "128", "--page-size", "16", "--no-progress"], capture_output=True, text=True,
                           env=env, timeout=120, preexec_fn=limit)
 
@@ -343,7 +344,7 @@ def test_warmup_on_a_cache_dir_it_cannot_write_is_one_line_exit_1(how, tmp_path)
 def test_ctrl_c_exits_130_with_one_line(tmp_path):
     """SIGINT to the process group (what a terminal's Ctrl-C sends) mid-build: exit 130, one line, no traceback."""
     env = {**os.environ, "MPFA_CUDA_ARCH": ARCH, "MPFA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mpfa_jit.warmup", str(DEFAULT), "--no-progress", "--jobs", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "mpfa.sglang.warmup", str(DEFAULT), "--no-progress", "--jobs", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

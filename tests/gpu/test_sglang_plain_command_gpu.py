@@ -10,7 +10,7 @@ graph policy (settings.PREFILL_CUDA_GRAPH, logged), with no extra flag, and the 
 environment carries no MPFA_* setting (benchmarks.e2e.server.server_env keeps only MPFA_CACHE_DIR).
 
 Runtime: ~60-90 s for the server (dummy 8B weights, decode CUDA graphs) with mpfa's kernels already built
-(``python -m mpfa_jit.warmup --model-path server_configs/models/llama-3.1-8b --page-size 16``); a cold kernel
+(``python -m mpfa.sglang.warmup --model-path server_configs/models/llama-3.1-8b --page-size 16``); a cold kernel
 cache adds their build.
 """
 import json

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
+from mpfa_jit.formats import E4M3_MAX, P_SCALE, P_SCALE_POW2   # P's scales: why each, in mpfa_jit.formats
+
 E4M3_DTYPE = torch.float8_e4m3fn
-# P (the softmax numerators, p <= 1 after subtracting the row maximum) is quantized as e4m3(p * P_SCALE) /
-# P_SCALE: 448 maps the maximum to the top of E4M3 (SageAttention's static offset). Prefill builds with
-# tile_scale (qk4pv8's served one) use P_SCALE_POW2, a power of two, so that their exponent arithmetic lands a
-# row's maximum on it exactly; either way P's relative precision is E4M3's.
-P_SCALE = E4M3_MAX
-P_SCALE_POW2 = 256.0
 
 
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:

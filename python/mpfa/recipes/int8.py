@@ -69,15 +69,13 @@ from __future__ import annotations
 
 import torch
 
+from mpfa_jit.formats import (BLOCK_SCALE_MAX, COMP_DIGIT_LIMIT, COMP_DIGIT_WEIGHTS, COMP_DIGITS, COMP_SCALE_DIVISOR,
+                              I4RS_BLOCK, INT4_MAX, INT8_MAX, Q_TILE)
+
 from .fp8 import row_scale
 
-INT8_MAX = 127
-INT4_MAX = 7
-BLOCK_SCALE_MAX = 18                 # 7 * 18 = 126 <= 127: every b * q is an INT8 value
 I4RS_TARGET = INT4_MAX * BLOCK_SCALE_MAX
-Q_TILE = 64
-I4RS_BLOCKS = (16, 8)
-I4RS_BLOCK = 16                      # the recipe's block (8 is a study option)
+I4RS_BLOCKS = (16, 8)                # I4RS_BLOCK is the recipe's; 8 is a study option
 I4RS_WINDOW = (2, 1)                 # the recipe's block-scale search: b_up - 2 .. b_up + 1
 # float32(1 / b) for b = 0 .. 18 (index 0 unused): the kernel's constant table
 RCP = torch.tensor([0.0] + [1.0 / b for b in range(1, BLOCK_SCALE_MAX + 1)], dtype=torch.float32)
@@ -161,17 +159,8 @@ def tile_scaled_k(q: torch.Tensor, scale: torch.Tensor, tile: int, dtype=torch.f
     return out
 
 
-# Compensation as one more k-step of the INT8 QK MMA (prefill builds with ``comp_mma``, qk4pv8's served one): a key's term in units
-# of the QK product, C_j = rni((mu_Q . Kint_j) / sq) (sq one Q scale per request and head), is carried by
-# COMP_DIGITS INT8 digits e against the fixed Q-side weights COMP_DIGIT_WEIGHTS, C = e_0 + 127 * (e_1 + ... + e_31);
-# |C| <= COMP_DIGIT_LIMIT fits (63 + 127 * (30 * 127 + 126)). |C| <= 127 |mu_Q|_1 / sq, so the head's Q scale is
-# the larger of amax / 127 and 127 |mu_Q|_1 / COMP_SCALE_DIVISOR (comp_digits_q_scale): every term fits, and only
-# a head whose mean outweighs its spread ~31 times over (|mu_Q|_1 > 31 amax; a one-row request) gets the coarser
-# scale, where the mean's term, kept to ~19 bits, carries the logits.
-COMP_DIGITS = 32
-COMP_DIGIT_WEIGHTS = (1,) + (INT8_MAX,) * (COMP_DIGITS - 1)
-COMP_DIGIT_LIMIT = 63 + INT8_MAX * (30 * INT8_MAX + 126)
-COMP_SCALE_DIVISOR = float(torch.tensor(COMP_DIGIT_LIMIT * 0.999, dtype=torch.float32))   # 2^-10 for fp32 dot rounding
+# Compensation as one more k-step of the INT8 QK MMA: the digits' format (COMP_DIGITS, COMP_DIGIT_WEIGHTS,
+# COMP_DIGIT_LIMIT, COMP_SCALE_DIVISOR) is defined in mpfa_jit.formats, with why the Q scale has its floor.
 
 
 def comp_digits_q_scale(amax: torch.Tensor, mu_l1: torch.Tensor) -> torch.Tensor:

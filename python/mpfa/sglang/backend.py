@@ -96,7 +96,7 @@ class MpfaAttnBackend(AttentionBackend):
         runs_kernels = resolve(kb, self.device) == "cuda"
         if runs_kernels:
             # Every kernel this server runs, loaded (built if the cache lacks it) before the first batch;
-            # python -m mpfa_jit.warmup builds the same list.
+            # python -m mpfa.sglang.warmup builds the same list.
             for spec in server_kernel_specs(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                                             head_dim=self.head_dim, recipe=self.recipe, page_size=self.page_size,
                                             arch=kernel_arch(self.device)):

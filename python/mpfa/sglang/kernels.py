@@ -1,5 +1,5 @@
 """The kernel specializations a server loads: the backend loads exactly these at startup and
-``python -m mpfa_jit.warmup`` builds exactly these, so a warmed cache never compiles in the server."""
+``python -m mpfa.sglang.warmup`` builds exactly these, so a warmed cache never compiles in the server."""
 from __future__ import annotations
 
 from mpfa_jit import KernelSpec

@@ -65,7 +65,7 @@ def sglang_args(options: Mapping) -> list:
 def server_settings(cfg: ServerConfig, env: Mapping[str, str]) -> tuple[MpfaSettings, dict]:
     """The settings and the model's attention facts (heads per GPU, head_dim: mpfa.sglang.model.hf_config_facts) of
     a server launched from ``cfg`` under ``env``, or the error the server would stop with. The launcher and
-    ``python -m mpfa_jit.warmup CONFIG`` both decide here, so warmup builds for exactly the configs that launch."""
+    ``python -m mpfa.sglang.warmup CONFIG`` both decide here, so warmup builds for exactly the configs that launch."""
     settings = resolve_settings(env=env, config=cfg)
     facts = check_hf_config(read_hf_config(cfg.model_dir), page_size=settings.page_size, recipe=settings.recipe,
                             tp_size=cfg.tp_size, where=str(cfg.model_dir / "config.json"))

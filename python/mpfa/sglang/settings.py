@@ -29,7 +29,7 @@ The page size is stated once per YAML, as ``sglang.page-size`` (SGLang's ``--pag
 server really uses); ``mpfa.page_size`` is an error saying so. A page size resolved from 1. or 2. that
 differs from the server's ``--page-size`` is an error, never silently replaced. SGLang scheduler
 processes inherit the launcher's environment, so every process resolves the same settings, and so does
-``python -m mpfa_jit.warmup``, through :func:`resolve_settings`.
+``python -m mpfa.sglang.warmup``, through :func:`resolve_settings`.
 """
 from __future__ import annotations
 
