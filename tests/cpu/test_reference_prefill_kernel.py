@@ -246,3 +246,127 @@ def test_the_gpu_cases_cover_every_group_and_build():
         ps_group |= {(p, g) for _, p, g, _ in mine}
     assert ps_group == set(itertools.product(prefill_op.PAGE_SIZES, groups))
     assert len(cases) == 16 * len(gpu.RECIPES)
+
+
+# The model's fp32 divisions are the kernel's IEEE ones on any device (H200 run 1: on CUDA the model divided by Python
+# numbers as a * fl(1 / b), PyTorch's CUDA shortcut, so ~5% of its 64-row Q scales were an ulp off the kernel's).
+def _cuda_like_fdiv(a, b):
+    """What the model's divisions by a Python number were on CUDA: a * fl(1 / b) in float32."""
+    if isinstance(b, (int, float)):
+        return a.float() * (1.0 / torch.tensor(b, dtype=torch.float32))
+    return (a.double() / b.double()).float()
+
+
+def test_model_divisions_are_correctly_rounded():
+    import numpy as np
+    from mpfa.reference import prefill_kernel as pk
+    x = torch.rand(100000, generator=_gen(3)) * 200
+    want = torch.from_numpy(x.numpy() / np.float32(127))
+    assert torch.equal(pk._fdiv(x, 127.0), want)
+    assert torch.equal(pk._fdiv(x, torch.full_like(x, 127.0)), want)
+    assert (_cuda_like_fdiv(x, 127.0) != want).float().mean() > 0.01   # the shortcut is off often enough to matter
+
+
+def _one_key(sq_div=None):
+    """One query row and one key (qk8pv8, head_dim 64, no compensation): the LSE the model gives and the fp32 steps
+    of the kernel's per-key score path by hand (softmax.cuh softmax_max), with ``sq_div`` as the model's division."""
+    import math
+    import numpy as np
+    from mpfa.reference import prefill_kernel as pk
+    gen = _gen(7)
+    q = (torch.randn(1, 1, 64, generator=gen) * 2).clamp(-8.5, 8.5).to(torch.bfloat16)
+    q[0, 0, 5] = 9.0   # the amax: 9 / 127 in float32 is an ulp from 9 * fl(1 / 127)
+    k_int = torch.randint(-127, 128, (1, 1, 64), generator=gen, dtype=torch.int8)
+    k_scale = torch.tensor([[0.0787]], dtype=torch.float32)
+    v = torch.randn(1, 1, 64, generator=gen, dtype=torch.float64)
+    saved = pk._fdiv
+    if sq_div is not None:
+        pk._fdiv = sq_div
+    try:
+        model = prefill_kernel_attention(q, (k_int, k_scale), v, recipe="qk8pv8", causal=False, compensation=False)
+    finally:
+        pk._fdiv = saved
+    f32 = np.float32
+    x = q.float().numpy()[0, 0]
+    amax = f32(np.abs(x).max())
+    sq = f32(amax / f32(127)) if sq_div is None else f32(sq_div(torch.tensor(amax), 127.0).item())
+    q8 = np.round(x * (f32(1) / sq)).astype(np.int64)
+    s_int = int((q8 * k_int.numpy()[0, 0].astype(np.int64)).sum())
+    score_scale = f32(f32(1 / 8) * f32(math.log2(math.e)))
+    a = f32(f32(f32(k_scale.item()) * score_scale) * sq)
+    b = f32(-pk.ROUND_MAGIC * float(a))                        # fma(-kRoundMagic, a, 0): one rounding
+    s = f32((pk.ROUND_MAGIC + s_int) * float(a) + float(b))     # fma(kRoundMagic + S, a, b): one rounding
+    log2p = f32(math.log2(448.0))
+    arg = f32(s - f32(s - log2p))                                # P = 2^(s - base), base = m - log2 p_scale
+    lse = math.log(2) * (float(s) + float(arg) - float(log2p))   # epilogue: (m + log2 l - log2 p_scale) ln 2
+    return model, float(s), float(a), s_int, lse
+
+
+def test_one_key_lse_is_the_kernels_fp32_score():
+    """A row with one key: LSE = ln2 * s (+ base's rounding) with s the kernel's fp32 score, off S * a by the rounding of
+    fma(-kRoundMagic, a, 0) (a multiple of half an ulp of a: kRoundMagic * a has 26 significant bits)."""
+    import math
+    model, s, a, s_int, lse = _one_key()
+    assert abs(model.lse.item() - lse) <= 1e-7     # log2 of the fp32 P (2^-24 relative) beside arg
+    quantum = 2.0 ** (math.frexp(a)[1] - 2)          # a in [2^e, 2^(e+1)): kRoundMagic * a = 3 M 2^(e-1), M < 2^24
+    delta = s - s_int * a                            # that product's rounding to 24 bits, then s's own (ulp(s))
+    ulp_s = 2.0 ** (math.frexp(s)[1] - 24)
+    assert abs(delta) <= 2 * quantum + ulp_s
+    assert abs(delta - round(delta / quantum) * quantum) <= ulp_s
+
+
+def test_one_key_lse_moves_with_the_q_scale_by_the_offsets_quantum():
+    """The same row with the Q scale an ulp off (the division shortcut): S and the output are the same, the score
+    moves by the change of that rounding, a multiple of 2^(e-1) (here the H200's 2^-8-sized step)."""
+    import math
+    model, s, a, s_int, _ = _one_key()
+    moved, s2, a2, s_int2, lse2 = _one_key(_cuda_like_fdiv)
+    assert s_int2 == s_int and torch.equal(moved.o, model.o)
+    assert abs(moved.lse.item() - lse2) <= 1e-7
+    assert a2 != a, "set-up: the shortcut's Q scale should move a"
+    if a2 != a:
+        quantum = 2.0 ** (math.frexp(a)[1] - 2)
+        step = (s2 - s) - s_int * (a2 - a)
+        assert abs(step - round(step / quantum) * quantum) <= 2.0 ** (math.frexp(s)[1] - 23)
+
+
+def test_a_q_scale_an_ulp_off_moves_lse_by_the_offsets_quantum_not_the_output():
+    """The H200 failure, on the CPU: with the division shortcut the Q scale of a 64-row tile can be an ulp off; that
+    moves a = fa * sq by an ulp, the rounding of kRoundMagic * a by up to its ulp (2^-8 .. 2^-5 in log2 units), and
+    so the tile's LSE by multiples of ln2 * 2^-9 .. 2^-6, while O does not move past its bound (the H200's qk8pv8
+    rows: 1-6 x ln2/64 in whole tiles, outputs within the bound)."""
+    import math
+    gen = _gen(2024)
+    recipe, d, p, g = "qk8pv8", 64, 1, 6
+    requests = gpu._requests(p)
+    layer, qo, indptr, indices, last, lengths = gpu._make_batch(batches.make_paged_batch, recipe, d, p, 2, requests,
+                                                                gen, device="cpu")
+    q = batches.make_bf16_rows(int(qo[-1]), 2 * g, d, gen, device="cpu")
+    from mpfa.reference import batch_prefill_kernel_attention
+    from mpfa.reference import prefill_kernel as pk
+    runs = {}
+    for name, div in (("ieee", pk._fdiv), ("shortcut", _cuda_like_fdiv)):
+        saved, pk._fdiv = pk._fdiv, div
+        try:
+            runs[name] = batch_prefill_kernel_attention(q, qo, layer, indptr, indices, last, causal=True,
+                                                        compensation=False, **_served(recipe))
+        finally:
+            pk._fdiv = saved
+    moved_any = False
+    for b in _requests_with_rows(qo):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        x = q[rows].float()
+        tiles = torch.stack([t.abs().amax(dim=(0, 2)) for t in x.split(64)])          # [tiles, H]
+        scale_differs = pk._fdiv(tiles, 127.0) != _cuda_like_fdiv(tiles, 127.0)
+        diff = (runs["ieee"].lse[rows] - runs["shortcut"].lse[rows]).abs()             # [rows, H]
+        tile_of_row = torch.arange(diff.shape[0]) // 64
+        moved = diff > 1e-6
+        assert not (moved & ~scale_differs[tile_of_row]).any(), "only tiles whose Q scale differs move"
+        if moved.any():
+            moved_any = True
+            assert diff.max() >= math.log(2) * 2.0 ** -9     # the offset's quantum, the H200's observed size
+            limit = gpu.lse_bound(recipe, runs["ieee"], rows, q, lengths[b], 1.0, None)
+            assert (diff > limit).any()                      # enough to fail the GPU test's LSE check
+        assert gpu._rel_l2(runs["shortcut"].o[rows], runs["ieee"].o[rows]) <= gpu.direct_bound(recipe, runs["ieee"],
+                                                                                                 rows)
+    assert moved_any, "set-up: some 64-row tile's Q scale should differ under the shortcut"
