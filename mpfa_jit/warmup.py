@@ -102,3 +102,9 @@ def format_table(rows) -> str:
     lines = [f"{'key':<{width}}  {'status':<6}  {'seconds':>7}", f"{'-' * width}  ------  -------"]
     lines += [f"{k:<{width}}  {st:<6}  {sec:7.2f}" for k, st, sec, _ in rows]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":   # the command moved beside the server code it mirrors
+    print("python -m mpfa_jit.warmup: the warmup command is python -m mpfa.sglang.warmup (or mpfa-warmup)",
+          file=sys.stderr)
+    sys.exit(2)

@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark harness (benchmarks/): the README section is generated from the
+"""CPU tests of the benchmark harness (benchmarks/): benchmarks/RESULTS.md's section is generated from the
 results JSON and `--check` catches a stale one; suite summaries are computed from rows; the
 timing/rotation/repeat arithmetic; the append suite's slot pattern. No GPU, no mpfa needed.
 """
@@ -66,7 +66,7 @@ META = {"command": "python -m benchmarks.run --suites append", "commit": "012345
         "cuda": "13.0", "torch": "2.11.0+cu130", "flashinfer": "0.6.15.post1", "sglang": None,
         "mpfa": "0.1.0", "suite": "append", "quick": False, "repeat": 1}
 
-README = "# mpfa\n\nIntro text.\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\nTail.\n"
+DOC = "# mpfa\n\nIntro text.\n\n<!-- bench:begin -->\nold table\n<!-- bench:end -->\n\nTail.\n"
 
 
 def write_fake(results_dir: Path, rows=None) -> dict:
@@ -124,13 +124,13 @@ def test_annotate_fills_gbps_and_fraction():
     assert row["copy_fraction"] == pytest.approx(0.8388608)
 
 
-# ---------------------------------------------------------------- README from JSON
+# ---------------------------------------------------------------- RESULTS.md from JSON
 
-def test_readme_table_is_generated_from_json(tmp_path):
+def test_results_table_is_generated_from_json(tmp_path):
     result = write_fake(tmp_path)
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    assert report.main(["--results", str(tmp_path), "--readme", str(readme)]) == 0
+    readme = tmp_path / "RESULTS.md"
+    readme.write_text(DOC)
+    assert report.main(["--results", str(tmp_path), "--doc", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith("# mpfa\n\nIntro text.\n\n<!-- bench:begin -->\n")
     assert text.endswith("<!-- bench:end -->\n\nTail.\n")
@@ -160,18 +160,18 @@ def test_readme_table_is_generated_from_json(tmp_path):
     assert "| mpfa | qk4pv8 | 1 | 32768 | 204 | 0.1000 | 1,877 | 0.47 | ok | — |" in text
 
 
-def test_check_detects_stale_table_and_leaves_readme_alone(tmp_path):
+def test_check_detects_stale_table_and_leaves_the_doc_alone(tmp_path):
     write_fake(tmp_path)
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    args = ["--results", str(tmp_path), "--readme", str(readme)]
+    readme = tmp_path / "RESULTS.md"
+    readme.write_text(DOC)
+    args = ["--results", str(tmp_path), "--doc", str(readme)]
     assert report.main(args + ["--check"]) == 1  # "old table" is stale
     assert report.main(args) == 0
     assert report.main(args + ["--check"]) == 0
     generated = readme.read_text()
 
     rows = fake_rows()
-    rows[3]["ms"] = 0.0900  # a new measurement lands in the JSON; README not regenerated
+    rows[3]["ms"] = 0.0900  # a new measurement lands in the JSON; the doc not regenerated
     write_fake(tmp_path, rows)
     assert report.main(args + ["--check"]) == 1
     assert readme.read_text() == generated  # --check writes nothing
@@ -185,10 +185,10 @@ def test_check_detects_summary_not_computed_from_rows(tmp_path):
     summary = append.summarize(rows)
     summary["min_copy_fraction"] = 0.99  # hand-edited: not what the rows give
     results_io.write("append_h200", META, summary, rows, tmp_path)
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
-    args = ["--results", str(tmp_path), "--readme", str(readme)]
-    assert report.main(args) == 1  # README written, but the summary is flagged
+    readme = tmp_path / "RESULTS.md"
+    readme.write_text(DOC)
+    args = ["--results", str(tmp_path), "--doc", str(readme)]
+    assert report.main(args) == 1  # the doc written, but the summary is flagged
     assert report.main(args + ["--check"]) == 1
     assert report.main(args + ["--resummarize"]) == 0
     assert results_io.read(tmp_path / "append_h200.json")["summary"]["min_copy_fraction"] == \
@@ -196,11 +196,11 @@ def test_check_detects_summary_not_computed_from_rows(tmp_path):
     assert report.main(args + ["--check"]) == 0
 
 
-def test_missing_markers_or_readme_creates_nothing(tmp_path):
+def test_missing_markers_or_doc_creates_nothing(tmp_path):
     write_fake(tmp_path)
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "RESULTS.md"
     readme.write_text("# mpfa\n\nno markers here\n")
-    assert report.main(["--results", str(tmp_path), "--readme", str(readme)]) == 2
+    assert report.main(["--results", str(tmp_path), "--doc", str(readme)]) == 2
     assert readme.read_text() == "# mpfa\n\nno markers here\n"
     missing = tmp_path / "NOPE.md"
     assert report.main(["--results", str(tmp_path), "--readme", str(missing), "--check"]) == 2
@@ -210,9 +210,9 @@ def test_missing_markers_or_readme_creates_nothing(tmp_path):
 
 
 def test_no_results_leaves_an_empty_section(tmp_path):
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "RESULTS.md"
     readme.write_text("a\n<!-- bench:begin -->\n<!-- bench:end -->\nb\n")
-    args = ["--results", str(tmp_path / "none"), "--readme", str(readme)]
+    args = ["--results", str(tmp_path / "none"), "--doc", str(readme)]
     assert report.main(args + ["--check"]) == 0
     readme.write_text("a\n<!-- bench:begin -->\nstale\n<!-- bench:end -->\nb\n")
     assert report.main(args + ["--check"]) == 1
@@ -416,11 +416,22 @@ def test_plots_write_png(tmp_path):
         plots.roofline([], fp8_tflops=0, hbm_gbps=1, path=tmp_path / "x.png")
 
 
-def test_committed_readme_matches_committed_results():
-    """README's performance section is exactly what the committed JSON generates, and every stored
-    summary is what its suite computes from the rows."""
+def test_committed_results_doc_matches_committed_results():
+    """benchmarks/RESULTS.md's tables are exactly what the committed JSON generates, every stored
+    summary is what its suite computes from the rows, and the default target is that file."""
+    assert report.RESULTS_MD == REPO / "benchmarks" / "RESULTS.md"
     assert report.main(["--check", "--results", str(REPO / "benchmarks" / "results"),
-                        "--readme", str(REPO / "README.md")]) == 0
+                        "--doc", str(report.RESULTS_MD)]) == 0
+    assert report.main(["--check"]) == 0                              # the defaults: the same two
+    assert report.BEGIN not in (REPO / "README.md").read_text()       # the long tables left README
+
+
+def test_old_readme_option_still_names_the_doc(tmp_path):
+    write_fake(tmp_path)
+    doc = tmp_path / "RESULTS.md"
+    doc.write_text(DOC)
+    assert report.main(["--results", str(tmp_path), "--readme", str(doc)]) == 0
+    assert "old table" not in doc.read_text()
 
 
 def test_roofline_points_come_from_decode_and_prefill_results(tmp_path):

@@ -1,5 +1,5 @@
 """tests/gpu/test_nonfinite_gpu.py's prefill and decode cases on the CPU with the reference backend, which follows
-README's "Non-finite inputs" rules as the kernels do: the expected patterns (what must be NaN, what must stay
+docs/api.md's "Non-finite inputs" rules as the kernels do: the expected patterns (what must be NaN, what must stay
 bit-identical to a clean run: other requests, other KV heads, the rows a causally hidden key cannot reach;
 qk4pv8's NaN over the poisoned key's 128-key tile) hold for the oracle, so a GPU failure is the kernel's."""
 import importlib

@@ -1,5 +1,5 @@
 """NaN and inf inputs through the public API on the GPU (PagedKVCache, append_kv, the prefill and decode
-wrappers), as README's "Non-finite inputs" defines them: never hidden as 0 or a finite value, and every
+wrappers), as docs/api.md's "Non-finite inputs" defines them: never hidden as 0 or a finite value, and every
 output the non-finite input cannot reach finite and bit-identical to a clean run of the same plan: the other
 requests, the other KV heads' query heads of the same request and, within the request, the rows that cannot
 see a non-finite key (it sits at a position the causal mask hides from them).
@@ -11,9 +11,9 @@ for the quantized ones (their cache stores a NaN scale / E4M3 NaN), give NaN:
   row of r's request for head h (the chunk's mean mu_Q is subtracted from each row);
 * in one appended K row (token t, KV head g): in every row that sees t, for g's query heads; with qk4pv8's
   one K scale per 128-key tile (tile_scale) in every row that sees any key of t's tile, which makes that
-  scale NaN (README does not say so: the test pins it, see K_TILE_SPREAD);
+  scale NaN (docs/api.md states it; the test pins it, see K_TILE_SPREAD);
 * in one appended V row (token t, KV head g, channel c): in channel c of the same outputs; channel c of
-  g's other rows may be NaN too (README: a masked key's V meets a zero probability in the tile's MMA), or
+  g's other rows may be NaN too (docs/api.md: a masked key's V meets a zero probability in the tile's MMA), or
   equal to the clean run.
 inf with bf16 is IEEE arithmetic: in Q (channel c) it makes every visible score +-inf or NaN, and the
 set-up has a visible key with q[c] * k[c] >= 0, so (r, h) is NaN (exp(inf - inf)); in K (channel c) the
@@ -240,7 +240,7 @@ def decode_case(recipe, head_dim, where, bad, num_splits, paged_batch, bf16_rows
         _expect_nan_row_for_inf_q(expect, DECODE_TARGET,
                                   _visible_keys(batch, DECODE_TARGET, DECODE_LENGTHS[DECODE_TARGET]), bad)
     elif where == "q":
-        # an inf scales the KV head's Q rows together (README), a NaN only its own
+        # an inf scales the KV head's Q rows together (docs/api.md), a NaN only its own
         expect.nan[DECODE_TARGET, group_heads if math.isinf(bad) else HEAD] = True
     elif where == "k" and ieee_inf:
         expect.key_by_sign(row, group_heads, q[row, group_heads, CHANNEL], bad)

@@ -37,7 +37,7 @@ Tolerances (per comparison the kit makes, i.e. each ``torch.testing.assert_close
   nearly flat softmax. Then FP8 (E4M3) rounding of V and of P each reaches the output almost undamped (relative
   rms ~0.025 each for E4M3's 3 mantissa bits), 8-bit K and Q add < 0.005 and 4-bit K ~0.04 (~0.13 relative
   K error x the logit std). Expected rel-L2: qk8pv8 ~0.04, qk4pv8 ~0.06 (the kit's random o_proj keeps the relative
-  error). The kernels' measured rel-L2 (README accuracy table): qk8pv8 0.026 on real activations, 0.063 on
+  error). The kernels' measured rel-L2 (accuracy table in benchmarks/RESULTS.md): qk8pv8 0.026 on real activations, 0.063 on
   outlier-channel inputs; qk4pv8 0.055 and 0.18. Bounds: qk8pv8 0.08 (2x expected, above its outlier figure),
   qk4pv8 0.15 (2.5x expected; the kit's Gaussian inputs have no outlier channels, so 0.18 does not apply); the
   worst row at twice that (one query's error is a sum over 4 heads x 64-128 dims and all its keys, so it
