@@ -370,3 +370,78 @@ def test_a_q_scale_an_ulp_off_moves_lse_by_the_offsets_quantum_not_the_output():
         assert gpu._rel_l2(runs["shortcut"].o[rows], runs["ieee"].o[rows]) <= gpu.direct_bound(recipe, runs["ieee"],
                                                                                                  rows)
     assert moved_any, "set-up: some 64-row tile's Q scale should differ under the shortcut"
+
+
+# P rounding events repeat where the kernel's P repeats (tests/gpu/test_prefill_gpu.py docstring, "Correlated P
+# rounding"): rows with equal exp2 arguments (twins: a request whose INT8 Q rows are equal, as the GPU test's Q of
+# spread 1e-4 under compensation's Q-scale floor makes ~90% of them) and keys with equal arguments (tie groups).
+def _equal_rows_request(causal):
+    """qk4pv8 (the served build: tile_scale, comp_mma), 40 equal Q rows over 150 keys, the first 5 keys repeated as
+    keys 5..9 (equal K and V rows: equal arguments in every row)."""
+    recipe = "qk4pv8"
+    gen = _gen(5)
+    layer, qo, indptr, indices, last, lengths = gpu._make_batch(batches.make_paged_batch, recipe, 128, 16, 2,
+                                                                [(110, 40)], gen, device="cpu")
+    (k_int, k_scale), v = _request_kv(layer, indptr, indices, lengths, 0)
+    k_int, k_scale, v = k_int.clone(), k_scale.clone(), v.clone()
+    k_int[5:10], k_scale[5:10], v[5:10] = k_int[0:5], k_scale[0:5], v[0:5]
+    q = batches.make_bf16_rows(1, 4, 128, gen, device="cpu").expand(40, 4, 128).contiguous()
+    return prefill_kernel_attention(q, (k_int, k_scale), v, recipe=recipe, causal=causal, compensation=True,
+                                    **_served(recipe)), v
+
+
+def test_equal_rows_are_twins_unless_the_mask_tells_them_apart():
+    full, _ = _equal_rows_request(causal=False)
+    assert torch.equal(full.twins, torch.full_like(full.twins, 40.0))
+    assert torch.equal(full.o, full.o[:1].expand_as(full.o))
+    causal, _ = _equal_rows_request(causal=True)    # each row sees one key more: no two argument rows are equal
+    assert torch.equal(causal.twins, torch.ones_like(causal.twins))
+    q, layer, qo, indptr, indices, last, lengths = _batch("qk4pv8")   # Q of spread 1: distinct rows
+    model = gpu._refs(q, qo, layer, indptr, indices, last, lengths, recipe="qk4pv8", causal=False,
+                      compensation=True)[2]
+    assert model.twins.max() == 1
+
+
+def test_flip_event_is_one_rounding_event_in_every_twin():
+    """flip_max is the largest tie group's sum of w_j ||v_j|| (keys 0..4 and 5..9 are equal: their P bytes round
+    together), and flip_event the change of one such event in all twins: moving that group's P bytes by what
+    flip_max allows in all 40 rows moves the request by sqrt(40) * flip_max, not flip_max alone (the request's
+    rel-L2 is a row's, not a row's over sqrt(40))."""
+    model, _ = _equal_rows_request(causal=False)
+    rows = slice(0, 40)
+    fm = model.flip_max[0]                                                   # [H], equal in every row
+    assert model.flip_event(rows) == pytest.approx(40 ** 0.5 * fm.max().item())
+    # one event in head h (the worst) in every row: the request's rel-L2 is the row's
+    h = int(fm.argmax())
+    moved = model.o.clone()
+    direction = torch.randn(moved.shape[-1], generator=_gen(9), dtype=torch.float64)
+    moved[:, h] += 2.0 ** -3 * fm[h] * direction / direction.norm()
+    err = gpu._rel_l2(moved, model.o)
+    assert err == pytest.approx(2.0 ** -3 * model.flip_event(rows) / model.o.norm().item())
+    assert err > 5 * 2.0 ** -3 * fm.max().item() / model.o.norm().item()   # >> the independent-rows estimate
+
+
+def test_flip_max_sums_keys_with_equal_arguments():
+    """Duplicated keys carry their P together: flip_max covers both copies (and leaves out keys at exactly
+    p_scale, which never move)."""
+    model, _ = _equal_rows_request(causal=False)
+    from mpfa.reference import prefill_kernel as pk
+    seen = {}
+    saved = pk._flip_groups
+
+    def spy(arg, carry):
+        seen["arg"], seen["carry"] = arg, carry
+        return saved(arg, carry)
+
+    pk._flip_groups = spy
+    try:
+        _equal_rows_request(causal=False)
+    finally:
+        pk._flip_groups = saved
+    arg, carry = seen["arg"], seen["carry"]
+    assert torch.equal(arg[..., 0:5], arg[..., 5:10])                       # the copies' arguments are equal
+    single = carry.amax(dim=-1).transpose(0, 1)
+    pair = (carry[..., 0:5] + carry[..., 5:10]).amax(dim=-1).transpose(0, 1)
+    assert (model.flip_max >= torch.maximum(single, pair) * (1 - 1e-12)).all()
+    assert (model.flip_max <= carry.sum(dim=-1).transpose(0, 1) * (1 + 1e-12)).all()
+    assert (carry[arg == 8.0] == 0).all()                                    # log2 p_scale = 8: never moves

@@ -32,7 +32,7 @@ Tolerances:
   Per request: rel-L2(kernel, model) <= 2 * sqrt(err_out^2 + (U_ACC R_abs)^2 + (U_P R_rest)^2 + FLOOR^2)
   (R = ||o_abs|| / ||o||, the errors independent, x2 safety; an E4M3 flip moves one row, which the request's
   rel-L2 divides by the square root of its rows: only a request of a few rows with a near-tie could feel it,
-  ~1e-3 of the runs); per (row, head): ||kernel - model|| / ||model||
+  ~1e-3 of the runs; see "Correlated P rounding" below); per (row, head): ||kernel - model|| / ||model||
   <= 2^-8 + 2 * (U_ACC R_abs,row + U_P,row) + FLOOR (the bf16 term a hard bound). The old bound, the recipe's
   whole error vs exact (~5e-2 for the FP8 recipes) or 4e-3, let dropped keys or a wrong mu_Q on one tile
   through; these do not (tests/cpu/test_reference_prefill_kernel.py shows both well past the bound).
@@ -45,6 +45,15 @@ Tolerances:
   (the model divides as the kernel does, IEEE: a Q scale an ulp off moves a per-key build's scores by the rounding of
   kRoundMagic * a, 2^-9 .. 2^-5 in log2 units, whole 64-row tiles at once: H200 run 1),
   but a few (LSE_FLIPS of the rows and heads) may exceed lse_bound as long as they meet the bound against exact.
+
+Correlated P rounding. The kernel's P of a key is a function of its fp32 exp2 argument alone (the served qk4pv8
+build's SASS: separate FMUL/FADD roundings for m and c, one FFMA per score into MUFU.EX2, then F2FP to E4M3; the
+model computes the same). So rows with equal arguments for every key (equal INT8 Q rows: KernelModel.twins) have
+bit-equal P, and keys with equal arguments in a row round together (tie groups, KernelModel.flip_max): one byte
+rounding the other way moves all K twin rows, the request's rel-L2 by 2^-3 sqrt(K) F / ||o|| (KernelModel.flip_event)
+instead of being diluted by sqrt(rows). The odds of such an event stay <= 2^-18.5 per (twin class, head, tie group),
+so the request bound takes no allowance for it; row_bound's flip term uses the tie groups and leaves out keys whose
+P is exactly p_scale (exact exp2 of 8), as it does the row's largest. (benchmarks/NOTES.md, 2026-12-02.)
 """
 import itertools
 import math

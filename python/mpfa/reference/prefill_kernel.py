@@ -60,13 +60,29 @@ class KernelModel:
     * ``o_abs`` ``[n, H, D]``: sum_j w_j |v_j| (w_j = P_j / l), the scale of the P V accumulation's error;
     * ``o_abs_rest`` ``[n, H, D]``: the same without each row's largest-P key, which no rounding moves: the scale
       of what P bytes rounding the other way (an ulp apart in the kernel) can change;
-    * ``flip_max`` ``[n, H]``: max_j w_j ||v_j|| over those keys, the most one such P byte can carry.
+    * ``flip_max`` ``[n, H]``: the most one P rounding event can carry, max over the row's groups of keys with
+      equal exp2 arguments of sum_j w_j ||v_j|| (keys with equal arguments have equal P in the kernel too, so their
+      bytes round the other way together), keys whose P is exactly p_scale (exp2 of log2 p_scale: each tile that
+      raises the running maximum, the row's largest key among them) left out: they never move;
+    * ``twins`` ``[n, H]``: how many rows of the request (this one included) have, in this head, the same exp2
+      argument for every key as this row (the same scores up to a constant and the same visible keys: a request
+      whose Q rows are equal, as INT8 bytes). The kernel computes their P bit for bit alike, so a P byte that
+      rounds the other way in one of them does so in all of them: such a rounding event moves ``twins`` rows.
     """
     o: torch.Tensor
     lse: torch.Tensor
     o_abs: torch.Tensor
     o_abs_rest: torch.Tensor
     flip_max: torch.Tensor
+    twins: torch.Tensor
+
+    def flip_event(self, rows) -> float:
+        """The norm, over ``rows`` (one request's), of the largest change one P rounding event can make:
+        max over (row, head) of sqrt(twins) * flip_max; times one E4M3 step (2^-3) over ||o||, the request-level
+        term of "Correlated P rounding" in tests/gpu/test_prefill_gpu.py's docstring."""
+        if rows.stop == rows.start:
+            return 0.0
+        return (self.twins[rows].sqrt() * self.flip_max[rows]).max().item()
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -342,10 +358,30 @@ def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float |
     v_norm = vh.norm(dim=-1).transpose(0, 1).unsqueeze(1)                     # [H, 1, m]
     lse = torch.where(l > 0, (m_final + torch.log2(torch.where(l > 0, l, torch.ones_like(l))) - log2_p) * math.log(2),
                       torch.full_like(l, -math.inf)).transpose(0, 1)
+    if m:
+        flip_max, twins = _flip_groups(arg, torch.where(arg == log2_p, torch.zeros_like(w_rest), w_rest) * v_norm)
+    else:
+        flip_max, twins = torch.zeros_like(lse), torch.ones_like(lse)
     return KernelModel(o=torch.einsum("hqk,khd->qhd", w, vh), lse=lse,
                        o_abs=torch.einsum("hqk,khd->qhd", w, vh.abs()),
                        o_abs_rest=torch.einsum("hqk,khd->qhd", w_rest, vh.abs()),
-                       flip_max=(w_rest * v_norm).amax(dim=-1).transpose(0, 1) if m else torch.zeros_like(lse))
+                       flip_max=flip_max, twins=twins)
+
+
+def _flip_groups(arg: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the exp2 arguments ``arg [H, n, m]`` and what each key's P byte carries, ``carry = w_j ||v_j||`` (0 for
+    keys that cannot move): (``flip_max [n, H]``: per row, the largest sum of ``carry`` over a group of keys with
+    equal arguments; ``twins [n, H]``: per row, the number of rows with the same argument row, float64)."""
+    srt, order = arg.sort(dim=-1)
+    group = torch.cat([torch.zeros_like(srt[..., :1], dtype=torch.long),
+                       (srt[..., 1:] != srt[..., :-1]).long().cumsum(dim=-1)], dim=-1)
+    sums = torch.zeros_like(carry).scatter_add_(-1, group, carry.gather(-1, order))
+    flip_max = sums.amax(dim=-1).transpose(0, 1)
+    twins = torch.empty(arg.shape[:2], dtype=_F64, device=arg.device)
+    for h in range(arg.shape[0]):
+        _, inverse, counts = torch.unique(arg[h], dim=0, return_inverse=True, return_counts=True)
+        twins[h] = counts[inverse].to(_F64)
+    return flip_max, twins.transpose(0, 1)
 
 
 def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
@@ -361,7 +397,8 @@ def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_k
     rows_d = torch.zeros((q.shape[0], q.shape[1], layer.head_dim), dtype=_F64, device=q.device)
     out = KernelModel(o=rows_d, lse=torch.full(q.shape[:2], -math.inf, dtype=_F64, device=q.device),
                       o_abs=rows_d.clone(), o_abs_rest=rows_d.clone(),
-                      flip_max=torch.zeros(q.shape[:2], dtype=_F64, device=q.device))
+                      flip_max=torch.zeros(q.shape[:2], dtype=_F64, device=q.device),
+                      twins=torch.ones(q.shape[:2], dtype=_F64, device=q.device))
     for b, m in enumerate(lengths):
         rows = slice(qo[b], qo[b + 1])
         if rows.stop == rows.start:
@@ -378,6 +415,6 @@ def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_k
         one = prefill_kernel_attention(q[rows], k, v, recipe=recipe, causal=causal, sm_scale=sm_scale,
                                        compensation=compensation, q_tile=q_tile, p_scale=p_scale,
                                        comp_digits=comp_digits, k_tile=k_tile, kv_tile=kv_tile)
-        for name in ("o", "lse", "o_abs", "o_abs_rest", "flip_max"):
+        for name in ("o", "lse", "o_abs", "o_abs_rest", "flip_max", "twins"):
             getattr(out, name)[rows] = getattr(one, name)
     return out
