@@ -8,16 +8,14 @@ import ctypes
 
 from ..spec import KernelSpec
 from .layout import layout_context
-from .support import ALL_RECIPES, check
+from .support import ALL_RECIPES, HEAD_DIMS, PAGE_SIZES, check
 
 OP = "append_kv"
 TEMPLATE = "append_kv.cu.jinja"
 SYMBOL = "mpfa_append_kv"                        # int (const AppendParams*, int device, void* stream)
 PARAMS_LAYOUT_SYMBOL = "mpfa_append_params_layout"
-# What the kernel, and so the cache (mpfa.PagedKVCache), is built for.
+# What the kernel, and so the cache (mpfa.PagedKVCache), is built for: what every op is (support.py).
 RECIPES = ALL_RECIPES
-HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (1, 16, 32, 64)
 
 
 class AppendParams(ctypes.Structure):

@@ -8,7 +8,7 @@ import ctypes
 
 from ..spec import KernelSpec
 from .layout import layout_context
-from .support import ALL_RECIPES, check, gqa_group
+from .support import ALL_RECIPES, HEAD_DIMS, PAGE_SIZES, check, gqa_group
 
 OP = "decode"
 TEMPLATE = "decode.cu.jinja"
@@ -17,8 +17,6 @@ PARAMS_LAYOUT_SYMBOL = "mpfa_decode_params_layout"
 SMEM_SYMBOL = "mpfa_decode_smem_bytes"
 RESIDENT_SYMBOL = "mpfa_decode_resident_ctas"   # (device, int* ctas): CTAs per SM at once
 RECIPES = ALL_RECIPES
-HEAD_DIMS = (64, 128)
-PAGE_SIZES = (1, 16, 32, 64)
 GROUP_SIZES = tuple(range(1, 9))   # num_qo_heads / num_kv_heads: one specialization each
 
 # The kernel's tile: kWarps warps per CTA, 16 tokens of each tile apiece (rendered into the template);

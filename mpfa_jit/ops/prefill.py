@@ -12,15 +12,13 @@ import math
 from ..formats import COMP_DIGITS, COMP_SCALE_DIVISOR, P_SCALE, P_SCALE_POW2, Q_TILE
 from ..spec import KernelSpec
 from .layout import layout_context
-from .support import ALL_RECIPES, check, gqa_group
+from .support import ALL_RECIPES, HEAD_DIMS, PAGE_SIZES, check, gqa_group
 
 OP = "prefill"
 TEMPLATE = "prefill.cu.jinja"
 SYMBOL = "mpfa_prefill"
 SMEM_SYMBOL = "mpfa_prefill_smem_bytes"
 RECIPES = ALL_RECIPES
-HEAD_DIMS = (64, 128)
-PAGE_SIZES = (1, 16, 32, 64)
 MAX_GROUP = 8   # tested range of num_qo_heads / num_kv_heads (the kernel itself takes any group)
 GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 

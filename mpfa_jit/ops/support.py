@@ -6,8 +6,12 @@ from ..errors import UnknownKernelError
 from ..formats import RECIPES
 
 
-# Every kernel is built for every recipe (mpfa_jit.formats defines them).
+# Every kernel is built for every recipe (mpfa_jit.formats defines them), and every op for the same head_dims and
+# page sizes: a cache of a shape no attention kernel reads would serve no one. A head_dim is added here, to the
+# kernels' static_asserts and to the MMA dispatch (README, "Where to change what").
 ALL_RECIPES = tuple(RECIPES)
+HEAD_DIMS = (64, 128)
+PAGE_SIZES = (1, 16, 32, 64)
 
 
 def _must(values) -> str:

@@ -172,12 +172,12 @@ def test_calibrate_refuses_samples_that_are_not_float_tensors(name, bad, match):
     (dict(recipe="fp4"), r"recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
     (dict(page_size=8), r"page_size must be one of \[1, 16, 32, 64\], got 8"),
     (dict(page_size=True), r"page_size must be one of \[1, 16, 32, 64\], got True"),
-    (dict(head_dim=96), r"head_dim must be one of \[64, 128, 256\], got 96"),
+    (dict(head_dim=96), r"head_dim must be one of \[64, 128\], got 96"),
     (dict(num_layers=0), r"num_layers must be a positive int, got 0"),
     (dict(num_pages=-3), r"num_pages must be a positive int, got -3"),
     (dict(num_kv_heads=2.0), r"num_kv_heads must be a positive int, got 2.0"),
     # a float that equals an accepted value is still not one (torch refused the shape naming no argument)
-    (dict(head_dim=64.0), r"head_dim must be one of \[64, 128, 256\], got 64.0"),
+    (dict(head_dim=64.0), r"head_dim must be one of \[64, 128\], got 64.0"),
     (dict(page_size=16.0), r"page_size must be one of \[1, 16, 32, 64\], got 16.0"),
     (dict(num_layers=True), r"num_layers must be a positive int, got True"),
     (dict(device="bogus"), r"device must be a torch device such as 'cuda', 'cuda:1' or 'cpu', got 'bogus'"),
@@ -645,7 +645,7 @@ def _decode_plan(w, recipe="qk4pv8", **over):
 I32 = dict(dtype=torch.int32)
 PLAN_ERRORS = [
     ("recipe fp4", dict(recipe="fp4"), r"recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
-    ("head_dim 96", dict(head_dim=96), r"head_dim must be one of \[64, 128, 256\], got 96"),
+    ("head_dim 96", dict(head_dim=96), r"head_dim must be one of \[64, 128\], got 96"),
     ("page_size 8", dict(page_size=8), r"page_size must be one of \[1, 16, 32, 64\], got 8"),
     ("heads not multiple", dict(num_qo_heads=6, num_kv_heads=4),
      r"num_qo_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
@@ -667,7 +667,7 @@ PLAN_ERRORS = [
     ("indices 2-d", dict(paged_kv_indices=torch.tensor([[4, 1, 2]], **I32)),
      r"paged_kv_indices must have 1 dimensions"),
     # every integer argument is an int: 64.0 == 64 was accepted and reached the kernels' integer fields
-    ("head_dim float", dict(head_dim=64.0), r"head_dim must be one of \[64, 128, 256\], got 64.0"),
+    ("head_dim float", dict(head_dim=64.0), r"head_dim must be one of \[64, 128\], got 64.0"),
     ("page_size float", dict(page_size=16.0), r"page_size must be one of \[1, 16, 32, 64\], got 16.0"),
     ("page_size bool", dict(page_size=True, paged_kv_last_page_len=torch.tensor([1, 1], **I32)),
      r"page_size must be one of \[1, 16, 32, 64\], got True"),

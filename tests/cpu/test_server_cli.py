@@ -247,7 +247,7 @@ def test_warmup_cli_bad_usage_through_the_interpreter(tmp_path):
                         "--head-dim", "256", "--page-size", "16"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == ["mpfa warmup: error: --attention-backend mpfa cannot serve this model: head_dim "
-                                     "256 is not supported: the decode and prefill kernels are built for head_dim "
+                                     "256 is not supported: the kernels are built for head_dim "
                                      "[64, 128]"]
 
 

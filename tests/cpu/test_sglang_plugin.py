@@ -326,7 +326,7 @@ def test_supported_shapes():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"head_dim": 256}, r"head_dim 256 is not supported: the decode and prefill kernels are built for head_dim \[64, 128\]"),
+    ({"head_dim": 256}, r"head_dim 256 is not supported: the kernels are built for head_dim \[64, 128\]"),
     ({"head_dim": 96}, r"head_dim 96"),
     ({"sliding_window": 4096}, r"sliding-window attention \(window 4096\)"),
     ({"logit_cap": 50.0}, r"attention logit soft cap \(50.0\)"),

@@ -10,7 +10,7 @@ import mpfa
 from mpfa.recipes import RECIPES as RECIPE_TABLE
 from mpfa.sglang import model, settings
 from mpfa_jit import UnknownKernelError
-from mpfa_jit.ops import OPS, append_kv, decode, prefill
+from mpfa_jit.ops import OPS, append_kv, decode, prefill, support
 from mpfa_jit.ops.layout import layout_context
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +29,11 @@ def test_every_recipe_has_a_kernel_layout(recipe):
         assert recipe in op.RECIPES
         for d in op.HEAD_DIMS:
             assert sum(n for _, n in layout_context(recipe, d)["cache_fields"]) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
+
+
+def test_every_op_is_built_for_the_same_head_dims_and_page_sizes():
+    """One table (mpfa_jit.ops.support): a cache shape that one op builds and another does not serves no one."""
+    assert {(op.HEAD_DIMS, op.PAGE_SIZES) for op in OPS} == {(support.HEAD_DIMS, support.PAGE_SIZES)}
 
 
 def test_the_cache_and_the_server_read_the_op_tables():
@@ -52,7 +57,7 @@ def test_the_cache_and_the_server_read_the_op_tables():
      r"no batch-prefill kernel for .*group_size=10: group_size must be in 1\.\.8, got 10$"),
     (lambda: append_kv.spec(recipe="fp4", head_dim=96, page_size=16, arch=ARCH),
      r"no KV append kernel for .*: recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'; "
-     r"head_dim must be one of \[64, 128, 256\], got 96$"),
+     r"head_dim must be one of \[64, 128\], got 96$"),
 ])
 def test_unsupported_spec_names_the_value_and_the_table(make, match):
     with pytest.raises(UnknownKernelError, match=match):

@@ -7,22 +7,16 @@ import json
 from pathlib import Path
 from typing import Mapping
 
-from mpfa_jit.ops import OPS, decode as _decode_op, prefill as _prefill_op
+from mpfa_jit.ops import decode as _decode_op, prefill as _prefill_op, support as _support
 
 from ..recipes import RECIPES
 from .settings import MpfaConfigError, parse_positive_int
 
 
-def _served(tables) -> tuple:
-    """The values every table holds, in the first one's order."""
-    first, *rest = tables
-    return tuple(v for v in first if all(v in t for t in rest))
-
-
-# What a server needs every kernel it runs (append, decode, prefill: mpfa_jit.ops) to be built for.
-HEAD_DIMS = _served([op.HEAD_DIMS for op in OPS])
-PAGE_SIZES = _served([op.PAGE_SIZES for op in OPS])
-GROUP_SIZES = _served([_decode_op.GROUP_SIZES, _prefill_op.GROUP_SIZES])
+# What a server needs every kernel it runs to be built for: every op shares its head_dims and page sizes
+# (mpfa_jit.ops.support); the GQA groups are the attention ops'.
+HEAD_DIMS, PAGE_SIZES = _support.HEAD_DIMS, _support.PAGE_SIZES
+GROUP_SIZES = tuple(g for g in _decode_op.GROUP_SIZES if g in _prefill_op.GROUP_SIZES)
 
 
 class UnsupportedModelError(ValueError):
@@ -56,7 +50,7 @@ def check_model_supported(*, head_dim: int, num_qo_heads: int, num_kv_heads: int
     if v_head_dim is not None and v_head_dim != head_dim:
         fail(f"V head_dim {v_head_dim} differs from the QK head_dim {head_dim}")
     if head_dim not in HEAD_DIMS:
-        fail(f"head_dim {head_dim} is not supported: the decode and prefill kernels are built for head_dim "
+        fail(f"head_dim {head_dim} is not supported: the kernels are built for head_dim "
              f"{list(HEAD_DIMS)}")
     if (not isinstance(num_qo_heads, int) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0
             or num_qo_heads <= 0 or num_qo_heads % num_kv_heads):
