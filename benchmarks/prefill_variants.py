@@ -2,12 +2,13 @@
 the main kernel, timed with the suites' timer, and compared with the default variant's output.
 
     python -m benchmarks.prefill_variants --shapes 16K,32K --recipes qk4pv8,qk8pv8 \\
-        --variants "poly_every=8" "poly_every=4" "pingpong=0"
+        --variants "stages=3" "pv_once=0" "tile_scale=0,comp_mma=0"
 
 Knobs are the template's parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
-``pingpong``, ``stages``, ``poly_every``, ``persistent``, ``fac_vec``, ``consumers``, ``tile_scale``, ``comp_mma``,
-``pv_once``); a variant lists the knobs it sets, the rest take the template's defaults (``""``: all defaults, the
-two-warpgroup per-key build served before prefill v3). The served build (SERVED_KNOBS) is always the first variant and the
+``stages``, ``tile_scale``, ``comp_mma``, ``pv_once``); a variant lists the knobs it sets over the recipe's served
+build (``""``: the served build itself; the wrapper's private ``_plan_study`` plans it). The knobs no served build used
+(``pingpong``, ``consumers=2``, ``persistent``, ``poly_every``, ``fac_vec=0``, ``stages=4``) are at 649ecec
+(docs/design/prefill.md). The served build (SERVED_KNOBS) is always the first variant and the
 reference for the output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows
 there, one that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, made again for each variant from the same seed; compensation on for the quantized
@@ -30,7 +31,7 @@ STUDIES = results_io.RESULTS_DIR / "studies"
 
 
 def parse_variant(text: str) -> dict:
-    """``"poly_every=4,pingpong=0"`` -> {"poly_every": 4, "pingpong": 0}; checks names and values."""
+    """``"stages=3,pv_once=0"`` -> {"stages": 3, "pv_once": 0}; checks names and values."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="16K,32K", help="prefill suite shapes, comma-separated (default %(default)s)")
     ap.add_argument("--recipes", default="qk4pv8,qk8pv8")
     ap.add_argument("--variants", nargs="+", default=[""],
-                    help="knob sets, e.g. \"consumers=2,pingpong=1\" (default: \"\", the template defaults)")
+                    help="knob sets over the served build, e.g. \"stages=3,pv_once=0\" (default: \"\", the served "
+                         "build again)")
     publish.add_arguments(ap, out_help="folder of the study's file")
     ap.add_argument("--compensation", choices=["on", "off"], default="on",
                     help="quantized recipes: Q smoothing + compensation as served (on) or off (default %(default)s)")

@@ -69,7 +69,7 @@ class _Launches:
 
 def _prefill_setup(recipe: str, shape: str, compensation: str, knobs: str):
     """The planned wrapper, Q and layer of one of the prefill suite's shapes: compensation "on" or "off"; knobs
-    "served", or a build's knobs as benchmarks/prefill_variants.py takes them ("" the template's defaults)."""
+    "served", or a build's knobs as benchmarks/prefill_variants.py takes them (set over the served build's)."""
     from benchmarks.prefill_variants import parse_variant
     from benchmarks.suites.prefill import SHAPES, _case, mpfa_setup
     if compensation not in ("on", "off"):
@@ -83,7 +83,7 @@ def _prefill_setup(recipe: str, shape: str, compensation: str, knobs: str):
 
 def prefill(recipe: str, shape: str = "16K", compensation: str = "on", knobs: str = "served", launches: int = 3):
     """One of the prefill suite's shapes with its setup: ``python -m benchmarks.profile_kernels prefill qk4pv8
-    [16K|32K|...] [on|off] ["served"|"consumers=2,pingpong=1"|""]`` (_prefill_setup)."""
+    [16K|32K|...] [on|off] ["served"|"stages=3,pv_once=0"]`` (_prefill_setup)."""
     w, q, layer = _prefill_setup(recipe, shape, compensation, knobs)
     _Launches(launches).bench(lambda: w.run(q, layer))
 

@@ -76,7 +76,7 @@ def _inputs(requests, gen):
 def mpfa_setup(case, gen, knobs: dict | None = None):
     """The planned wrapper, Q and cache layer of an mpfa case (pages in random order, every key appended):
     ``w.run(q, layer)`` is the call the suite times. ``knobs``: a study build of the kernel (None: the served one;
-    benchmarks.prefill_variants)."""
+    benchmarks.prefill_variants), planned through the wrapper's private _plan_study."""
     import torch
     import mpfa
     reqs = case["requests"]
@@ -99,11 +99,11 @@ def mpfa_setup(case, gen, knobs: dict | None = None):
                              device="cuda")
     kv_indptr = torch.tensor(indptr, dtype=torch.int32, device="cuda")
     last = torch.tensor([(n + p - 1) % PAGE + 1 for n, p in reqs], dtype=torch.int32, device="cuda")
-    need = mpfa.prefill.workspace_bytes(len(reqs), QO_HEADS, KV_HEADS, HEAD_DIM, [n + p for n, p in reqs],
-                                        case["recipe"], bool(case["compensation"]), knobs=knobs)
+    need = mpfa.prefill._workspace_bytes(len(reqs), QO_HEADS, KV_HEADS, HEAD_DIM, [n + p for n, p in reqs],
+                                         case["recipe"], bool(case["compensation"]), knobs=knobs)
     w = mpfa.BatchPrefillWrapper(torch.empty(max(need, 1 << 20), dtype=torch.uint8, device="cuda"))
-    w.plan(qo_indptr, kv_indptr, perm[: indptr[-1]], last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
-           recipe=case["recipe"], compensation=bool(case["compensation"]), knobs=knobs)
+    w._plan_study(qo_indptr, kv_indptr, perm[: indptr[-1]], last, QO_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True,
+                  recipe=case["recipe"], compensation=bool(case["compensation"]), knobs=knobs)
     return w, torch.cat(qs), layer
 
 

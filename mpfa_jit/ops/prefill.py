@@ -25,49 +25,44 @@ GROUP_SIZES = tuple(range(1, MAX_GROUP + 1))
 PARAMS_LAYOUT_SYMBOL = "mpfa_prefill_params_layout"
 
 # Tile sizes: rendered into the template (kBM, kBN, kMuRows) and used by the wrapper's schedule and workspace.
-WG_ROWS = 64    # query rows per consumer warpgroup (a CTA holds 2 or 3 of them: tile_rows)
+WG_ROWS = 64    # query rows per consumer warpgroup
+CTA_ROWS = 3 * WG_ROWS   # query rows per CTA: three consumer warpgroups
 KV_TILE = 128   # keys per K/V tile image
 MU_ROWS = 128   # query rows per block of the mu_Q partial sums
-# Knobs of the template and the values each accepts; a knob left out takes the template's default. The served
-# builds set SERVED_KNOBS; the others are study variants (benchmarks/prefill_variants.py, benchmarks/NOTES.md).
-KNOBS = {"pingpong": (0, 1), "stages": (2, 3, 4), "poly_every": (0, 2, 4, 8, 16), "persistent": (0, 1),
-         "fac_vec": (0, 1), "consumers": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": (0, 1)}
+# Knobs of the template and the values each accepts; every build states each one (the template has no defaults).
+# The served builds are SERVED_KNOBS; the others are study variants (benchmarks/prefill_variants.py,
+# benchmarks/NOTES.md), reached through mpfa.prefill's private entry points only. The paths no served build took
+# (two ping-pong consumer warpgroups, persistent CTAs, exp2 on the FMA pipe, fa / fb in key order, 4 stages) are
+# gone: benchmarks/NOTES.md names the commit that had them.
+KNOBS = {"stages": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": (0, 1)}
 # The served build of each recipe (benchmarks/NOTES.md, prefill v3). All run three consumer warpgroups of 64 rows,
 # each tile's steps in order (QK -> softmax -> PV -> fold). qk4pv8 adds one K scale per 128-key tile (the pre-pass
 # requantizes each K tile image to its largest token scale) so that the softmax is FlashAttention-3's, the
 # compensation term as one more INT8 k-step of the QK MMA (one Q scale per request and head), both PV column
 # parts before one wait, and 2 stages. qk8pv8 keeps per-key K scales and 64-row Q scales: the tile scale cost
 # it 29% in KL (its INT8 K loses more to requantization than qk4pv8's 4-bit K). bf16: 2 stages (3 do not fit).
-SERVED_KNOBS = {"bf16": {"consumers": 3, "pingpong": 0, "stages": 2},
-                "qk8pv8": {"consumers": 3, "pingpong": 0},
-                "qk4pv8": {"consumers": 3, "pingpong": 0, "tile_scale": 1, "comp_mma": 1, "pv_once": 1, "stages": 2}}
+SERVED_KNOBS = {"bf16": {"stages": 2, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
+                "qk8pv8": {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
+                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}}
 
 
 def build_knobs(recipe: str, knobs: dict | None = None) -> dict:
-    """The knobs of a build: ``knobs`` as given (a study variant; {} is the template's defaults; names and values
-    checked), or the served build's of ``recipe`` when None."""
-    if knobs is not None:
-        if not isinstance(knobs, dict):
-            raise ValueError(f"knobs must be a dict of prefill kernel knobs ({', '.join(KNOBS)}) or None, got {knobs!r}")
-        for name, value in knobs.items():
-            if value not in KNOBS.get(name, ()):
-                raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
-        if knobs.get("consumers") == 3 and knobs.get("pingpong", 1) != 0:
-            raise ValueError("prefill knob consumers=3 needs pingpong=0 (the ping-pong schedule pairs two warpgroups)")
-        if knobs.get("comp_mma") and not knobs.get("tile_scale"):
-            raise ValueError("prefill knob comp_mma=1 needs tile_scale=1 (its digits are in units of one K scale per "
-                             "tile)")
-        return dict(knobs)
+    """The knobs of a build: the served build's of ``recipe`` (SERVED_KNOBS), with a study variant's ``knobs``
+    (None or {}: none) set over them; names and values checked."""
     if recipe not in SERVED_KNOBS:
         raise ValueError(f"recipe must be one of {list(SERVED_KNOBS)}, got {recipe!r}")
-    return dict(SERVED_KNOBS[recipe])
-
-
-def tile_rows(knobs: dict) -> tuple[int, int]:
-    """(query rows per CTA, query rows per INT8 Q scale) of a build (``knobs``: build_knobs). The Q scale tile is
-    the recipe's (formats.Q_TILE, whole 64-row warpgroups) unless comp_mma gives each (request, head)
-    one; the CTA holds two consumer warpgroups' rows, or three's with ``consumers=3`` (with ``pingpong=0``)."""
-    return WG_ROWS * knobs.get("consumers", 2), Q_TILE
+    if knobs is None:
+        return dict(SERVED_KNOBS[recipe])
+    if not isinstance(knobs, dict):
+        raise ValueError(f"knobs must be a dict of prefill kernel knobs ({', '.join(KNOBS)}) or None, got {knobs!r}")
+    for name, value in knobs.items():
+        if value not in KNOBS.get(name, ()):
+            raise ValueError(f"prefill knob {name}={value!r}: knobs and their values are {KNOBS}")
+    built = {**SERVED_KNOBS[recipe], **knobs}
+    if built["comp_mma"] and not built["tile_scale"]:
+        raise ValueError("prefill knob comp_mma=1 needs tile_scale=1 (its digits are in units of one K scale per "
+                         "tile)")
+    return built
 
 
 def numerics(recipe: str, knobs: dict) -> dict:
@@ -77,8 +72,8 @@ def numerics(recipe: str, knobs: dict) -> dict:
     one scale per key). bf16 has none of them."""
     if recipe == "bf16":
         return {}
-    return {"q_tile": tile_rows(knobs)[1], "p_scale": p_scale(knobs), "comp_digits": bool(knobs.get("comp_mma")),
-            "k_tile": KV_TILE if knobs.get("tile_scale") else None}
+    return {"q_tile": Q_TILE, "p_scale": p_scale(knobs), "comp_digits": bool(knobs["comp_mma"]),
+            "k_tile": KV_TILE if knobs["tile_scale"] else None}
 
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
@@ -107,14 +102,13 @@ class PrefillParams(ctypes.Structure):
 
 def p_scale(knobs: dict) -> float:
     """The scale of P before its E4M3 rounding in a build (formats.P_SCALE; ``tile_scale=1`` takes P_SCALE_POW2)."""
-    return P_SCALE_POW2 if knobs.get("tile_scale") else P_SCALE
+    return P_SCALE_POW2 if knobs["tile_scale"] else P_SCALE
 
 
 def render_context(recipe: str, head_dim: int, knobs: dict) -> dict:
     """What the template renders besides the key: the cache layout check, the tile sizes above and P's scale."""
     img = image_bytes(recipe, head_dim)
-    q_tile, q_scale_rows = tile_rows(knobs)
-    return dict(layout_context(recipe, head_dim), q_tile=q_tile, q_scale_rows=q_scale_rows, kv_tile=KV_TILE,
+    return dict(layout_context(recipe, head_dim), q_tile=CTA_ROWS, q_scale_rows=Q_TILE, kv_tile=KV_TILE,
                 mu_rows=MU_ROWS, k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"],
                 log2_p_scale=repr(math.log2(p_scale(knobs))), comp_digits=COMP_DIGITS,
                 comp_scale_divisor=repr(COMP_SCALE_DIVISOR))
@@ -123,7 +117,8 @@ def render_context(recipe: str, head_dim: int, knobs: dict) -> dict:
 def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: int = 1,
          knobs: dict | None = None) -> KernelSpec:
     """``group_size`` (num_qo_heads / num_kv_heads) is checked against the tested range, not part of the key.
-    ``knobs``: None for the served build (SERVED_KNOBS), or a study variant's knobs (KNOBS); they join the key."""
+    ``knobs``: None for the served build (SERVED_KNOBS), or a study variant's knobs set over it (KNOBS,
+    build_knobs); every knob joins the key."""
     check("batch-prefill", dict(recipe=recipe, head_dim=head_dim, page_size=page_size, group_size=group_size),
           dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES, group_size=GROUP_SIZES))
     knobs = build_knobs(recipe, knobs)

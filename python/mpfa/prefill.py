@@ -42,7 +42,7 @@ def _align(n: int) -> int:
 
 
 # The tile sizes (query rows per CTA, keys per KV tile image, query rows per mu_Q block) are the kernel build's:
-# prefill_op.tile_rows(knobs), KV_TILE and MU_ROWS, rendered into its template; read here at call time.
+# prefill_op.CTA_ROWS, KV_TILE and MU_ROWS, rendered into its template; read here at call time.
 
 
 def mu_blocks(qo_lens) -> int:
@@ -57,15 +57,22 @@ def kv_tiles(kv_lengths, recipe: str) -> list[int]:
 
 
 def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
-                     recipe: str, compensation: bool, max_qo_len: int = 0, *,
-                     knobs: dict | None = None) -> dict[str, tuple[int, int]]:
+                     recipe: str, compensation: bool, max_qo_len: int = 0) -> dict[str, tuple[int, int]]:
     """Byte (offset, size) of each workspace section the kernel path uses: the K and V^T tile images
     (n_kv_tiles x Hkv x KV_TILE x head_dim elements each), the per-key factors fa (quantized
     recipes), and with compensation mu_Q [batch, Hq, D], its partial sums [blocks of MU_ROWS rows of
     the longest chunk (``max_qo_len``; at most the longest KV), batch, Hq, D] and the per-key terms: fb
     [n_kv_tiles, Hq, KV_TILE] (fp32), or in comp_mma builds (qk4pv8's served one) each head's Q scale
-    inputs q_head [batch, Hq, 2] (fp32) and the digit images cd [n_kv_tiles, Hq, KV_TILE x COMP_DIGITS bytes].
-    ``knobs``: the kernel build (None: the served one, mpfa_jit/ops/prefill.py build_knobs)."""
+    inputs q_head [batch, Hq, 2] (fp32) and the digit images cd [n_kv_tiles, Hq, KV_TILE x COMP_DIGITS bytes]."""
+    return _workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe, compensation,
+                             max_qo_len, knobs=None)
+
+
+def _workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
+                      recipe: str, compensation: bool, max_qo_len: int = 0, *,
+                      knobs: dict | None) -> dict[str, tuple[int, int]]:
+    """workspace_layout of a kernel build: ``knobs`` None the served one, else a study variant's
+    (mpfa_jit/ops/prefill.py build_knobs; benchmarks and tests only)."""
     n = sum(kv_tiles(kv_lengths, recipe))
     img = prefill_op.image_bytes(recipe, head_dim)
     sizes = {"k_img": n * num_kv_heads * img["k"], "v_img": n * num_kv_heads * img["v"]}
@@ -75,7 +82,7 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
             sizes["mu"] = batch_size * num_qo_heads * head_dim * 4
             rows = max_qo_len or max(kv_lengths, default=0)
             sizes["mu_part"] = mu_blocks([rows]) * batch_size * num_qo_heads * head_dim * 4
-            if prefill_op.build_knobs(recipe, knobs).get("comp_mma"):
+            if prefill_op.build_knobs(recipe, knobs)["comp_mma"]:
                 sizes["q_head"] = batch_size * num_qo_heads * 2 * 4
                 sizes["cd"] = n * num_qo_heads * img["cd"]
             else:
@@ -88,12 +95,19 @@ def workspace_layout(batch_size: int, num_qo_heads: int, num_kv_heads: int, head
 
 
 def workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
-                    recipe: str, compensation: bool, max_qo_len: int = 0, *, knobs: dict | None = None) -> int:
+                    recipe: str, compensation: bool, max_qo_len: int = 0) -> int:
     """Workspace the kernel path needs (see workspace_layout): about 2 bytes per K/V element of the
     batch's keys for the FP8 recipes (4 for bf16), plus, with compensation, 32 bytes per key and query head
     (qk4pv8's served build: its compensation digits; 4 with per-key terms)."""
-    return _layout_bytes(workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe,
-                                          compensation, max_qo_len, knobs=knobs))
+    return _workspace_bytes(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe, compensation,
+                            max_qo_len, knobs=None)
+
+
+def _workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, kv_lengths,
+                     recipe: str, compensation: bool, max_qo_len: int = 0, *, knobs: dict | None) -> int:
+    """workspace_bytes of a kernel build (``knobs``: _workspace_layout)."""
+    return _layout_bytes(_workspace_layout(batch_size, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe,
+                                           compensation, max_qo_len, knobs=knobs))
 
 
 def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
@@ -103,7 +117,7 @@ def _layout_bytes(layout: dict[str, tuple[int, int]]) -> int:
 def tile_schedule(qo_lens, kv_lengths, causal: bool, q_tile: int) -> list[tuple[int, int]]:
     """(request, query tile) pairs, the longest KV range first (a simple longest-job-first order for
     the grid). A causal tile sees keys up to its last row's diagonal. ``q_tile``: query rows per CTA of the
-    kernel build that runs the plan (prefill_op.tile_rows)."""
+    kernel (prefill_op.CTA_ROWS)."""
     tiles = []
     for b, (nq, nkv) in enumerate(zip(qo_lens, kv_lengths)):
         for t in range(-(-nq // q_tile)):
@@ -180,10 +194,20 @@ class BatchPrefillWrapper:
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, *, causal: bool = True, sm_scale: float | None = None,
-             recipe: str = "qk4pv8", compensation: bool = True, knobs: dict | None = None) -> None:
-        """Host-side scheduling for one batch (may synchronize). Raises for a missing kernel. ``knobs``: a study
-        variant of the kernel (mpfa_jit/ops/prefill.py KNOBS; benchmarks/prefill_variants.py), whose numerics
-        the reference backend follows too; None (the default) runs the served build."""
+             recipe: str = "qk4pv8", compensation: bool = True) -> None:
+        """Host-side scheduling for one batch (may synchronize). Raises for a missing kernel. Runs the recipe's
+        served kernel build (mpfa_jit/ops/prefill.py SERVED_KNOBS)."""
+        self._plan_study(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                         num_kv_heads, head_dim, page_size, causal=causal, sm_scale=sm_scale, recipe=recipe,
+                         compensation=compensation, knobs=None)
+
+    def _plan_study(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
+                    num_kv_heads: int, head_dim: int, page_size: int, *, causal: bool = True,
+                    sm_scale: float | None = None, recipe: str = "qk4pv8", compensation: bool = True,
+                    knobs: dict | None) -> None:
+        """``plan`` with a study variant of the kernel: ``knobs`` set over the recipe's served ones
+        (mpfa_jit/ops/prefill.py KNOBS, build_knobs; None: the served build), whose numerics the reference
+        backend follows too. Not public API: benchmarks (benchmarks/prefill_variants.py) and tests only."""
         recipe_ = check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe)
         paged = check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         check_tensor("qo_indptr", qo_indptr, dtypes=(torch.int32, torch.int64), shape=(paged.batch_size + 1,))
@@ -220,13 +244,13 @@ class BatchPrefillWrapper:
         kv_lengths = paged.kv_lengths
         compensate = bool(compensation and recipe_.quantized_q)
         max_qo = max(qo_lens, default=0)
-        layout = workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
-                                  max_qo, knobs=knobs)
+        layout = _workspace_layout(batch, num_qo_heads, num_kv_heads, head_dim, kv_lengths, recipe_.name, compensate,
+                                   max_qo, knobs=knobs)
         need = _layout_bytes(layout)
         check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query / {num_kv_heads} "
                         f"KV heads, head_dim {head_dim}, {sum(kv_lengths)} KV tokens, recipe {recipe_.name}"
                         + (", compensation" if compensate else ""))
-        tiles = tile_schedule(qo_lens, kv_lengths, causal, prefill_op.tile_rows(knobs)[0])
+        tiles = tile_schedule(qo_lens, kv_lengths, causal, prefill_op.CTA_ROWS)
         counts = kv_tiles(kv_lengths, recipe_.name)
         kv_tile_base, kvt_req, kvt_idx = [], [], []
         for b, n in enumerate(counts):

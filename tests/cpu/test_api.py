@@ -496,11 +496,12 @@ def test_prefill_out_in_place_and_compensation_flag():
 
 @pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
 def test_prefill_reference_follows_the_kernel_builds_numerics(recipe):
-    """plan(knobs=) picks a kernel build, and the reference backend computes what that build does: prefill v3's
-    numerics (one K scale per 128-key tile, one Q scale per request and head with compensation) differ from the
-    per-key ones (per-key K scales, 64-row Q scales), each build matching its own oracle; bad knobs are refused."""
+    """The private _plan_study(knobs=) picks a kernel build, and the reference backend computes what that build
+    does: prefill v3's numerics (one K scale per 128-key tile, one Q scale per request and head with compensation)
+    differ from the per-key ones (per-key K scales, 64-row Q scales), each build matching its own oracle; bad knobs
+    are refused, and the public plan takes none."""
     from mpfa_jit.ops import prefill as prefill_op
-    v3 = {"tile_scale": 1, "comp_mma": 1, "consumers": 3, "pingpong": 0}
+    v3 = {"tile_scale": 1, "comp_mma": 1}
     gen = _gen(42)
     d = 64
     requests = [(300, 40), (0, 200), (129, 1)]   # several K tiles, a one-row request
@@ -509,21 +510,23 @@ def test_prefill_reference_follows_the_kernel_builds_numerics(recipe):
     q = _queries(int(qo_indptr[-1]), d, gen)
     kp, vp = layer.dequantize(torch.float64)
     outs = {}
-    for name, knobs in (("served", None), ("v3", v3), ("per-key", {})):
+    for name, knobs in (("served", None), ("v3", v3), ("per-key", {"tile_scale": 0, "comp_mma": 0})):
         w = mpfa.BatchPrefillWrapper(_workspace(), backend="reference")
-        w.plan(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=knobs)
+        w._plan_study(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=knobs)
         outs[name] = w.run(q, layer)
         kw = mpfa.prefill.reference_numerics(recipe, knobs, layer)
         ro, _ = batch_attention(q, qo_indptr, kp, vp, indptr, indices, last, causal=True, recipe=recipe,
                                 dtype=torch.float64, **kw)
         _assert_matches_oracle(outs[name], ro)
     assert not torch.equal(outs["v3"], outs["per-key"])
-    assert torch.equal(outs["served"], outs["v3" if prefill_op.SERVED_KNOBS[recipe].get("tile_scale") else "per-key"])
+    assert torch.equal(outs["served"], outs["v3" if prefill_op.SERVED_KNOBS[recipe]["tile_scale"] else "per-key"])
     w = mpfa.BatchPrefillWrapper(_workspace(), backend="reference")
-    for bad, msg in (({"consumers": 4}, "consumers=4"), ({"comp_mma": 1}, "needs tile_scale=1"),
-                     ("tile_scale=1", "knobs must be a dict")):
+    for bad, msg in (({"consumers": 3}, "consumers=3"), ({"pingpong": 0}, "pingpong=0"),
+                     ({"tile_scale": 0, "comp_mma": 1}, "needs tile_scale=1"), ("tile_scale=1", "knobs must be a dict")):
         with pytest.raises(ValueError, match=msg):
-            w.plan(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=bad)
+            w._plan_study(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=bad)
+    with pytest.raises(TypeError, match="knobs"):
+        w.plan(qo_indptr, indptr, indices, last, HEADS, KV_HEADS, d, PAGE, recipe=recipe, knobs=v3)
 
 
 def test_prefill_non_causal_and_sm_scale():

@@ -5,22 +5,22 @@ the library's PrefillParams against its ctypes mirror."""
 import ctypes
 import itertools
 import math
-import re
 import subprocess
 
 import pytest
 import torch
 
 import mpfa_jit
-from mpfa.prefill import BatchPrefillWrapper, kv_tiles, mu_blocks, tile_schedule, workspace_bytes, workspace_layout
+from mpfa.prefill import (BatchPrefillWrapper, _workspace_layout, kv_tiles, mu_blocks, tile_schedule, workspace_bytes,
+                          workspace_layout)
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.abi import check_params, describe
 from mpfa_jit.errors import KernelAbiError
 from mpfa_jit.ops import prefill as prefill_op
 
 ARCH = "sm_90a"
-SERVED_Q_TILE = prefill_op.tile_rows(prefill_op.build_knobs("qk4pv8"))[0]
-PER_KEY = {}   # the template's defaults: per-key K scales and fb terms, two consumer warpgroups
+SERVED_Q_TILE = prefill_op.CTA_ROWS
+PER_KEY = {"tile_scale": 0, "comp_mma": 0}   # a study build over qk4pv8's served one: per-key K scales and fb terms
 
 
 def test_workspace_arithmetic_follows_the_op_modules_tile_sizes(monkeypatch):
@@ -30,12 +30,12 @@ def test_workspace_arithmetic_follows_the_op_modules_tile_sizes(monkeypatch):
     base = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     monkeypatch.setattr(prefill_op, "KV_TILE", 64)
     monkeypatch.setattr(prefill_op, "MU_ROWS", 100)
-    monkeypatch.setattr(prefill_op, "WG_ROWS", 32)
+    monkeypatch.setattr(prefill_op, "CTA_ROWS", 96)
     assert kv_tiles(lens, "qk4pv8") == [16, 1, 2] and mu_blocks([300]) == 3
-    assert prefill_op.tile_rows({})[0] == 64 and prefill_op.tile_rows(prefill_op.build_knobs("qk8pv8"))[0] == 96
+    assert dict(prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH).context)["q_tile"] == 96
     lay = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300)
     assert lay["k_img"][1] == 19 * 8 * 64 * 128 and lay["cd"][1] == 19 * 32 * 64 * 32
-    assert workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, knobs=PER_KEY)["fb"][1] == 19 * 32 * 64 * 4
+    assert _workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, knobs=PER_KEY)["fb"][1] == 19 * 32 * 64 * 4
     assert lay["mu_part"][1] == 3 * 3 * 32 * 128 * 4
     assert lay != base
 
@@ -48,9 +48,8 @@ def test_render_context_carries_the_tile_sizes_and_cache_layout():
     assert ctx["recipe_enum"] == "kQk4pv8" and dict(ctx["cache_fields"])["k_block_scale"] == 4
     assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0, "cd": 0}
     assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # comp_mma's digit image
-    # the served knobs join the key; the context does not
-    assert s.key == ("prefill_comp_mma-1_consumers-3_head_dim-64_page_size-16_pingpong-0_pv_once-1_recipe-qk4pv8_stages-2_"
-                     "tile_scale-1_sm_90a")
+    # every knob of the served build joins the key; the context does not
+    assert s.key == "prefill_comp_mma-1_head_dim-64_page_size-16_pv_once-1_recipe-qk4pv8_stages-2_tile_scale-1_sm_90a"
 
 
 def test_params_mirror_is_naturally_aligned():
@@ -68,9 +67,9 @@ def test_params_mirror_is_naturally_aligned():
 
 def test_specs_and_unsupported_shapes():
     s = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=PER_KEY)
-    assert s.key == "prefill_head_dim-128_page_size-16_recipe-qk4pv8_sm_90a"
+    assert s.key == "prefill_comp_mma-0_head_dim-128_page_size-16_pv_once-1_recipe-qk4pv8_stages-2_tile_scale-0_sm_90a"
     assert prefill_op.spec(recipe="bf16", head_dim=128, page_size=16, arch=ARCH).key == \
-        "prefill_consumers-3_head_dim-128_page_size-16_pingpong-0_recipe-bf16_stages-2_sm_90a"
+        "prefill_comp_mma-0_head_dim-128_page_size-16_pv_once-0_recipe-bf16_stages-2_tile_scale-0_sm_90a"
     for bad in (dict(head_dim=256), dict(page_size=8), dict(recipe="fp4")):
         kw = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH) | bad
         with pytest.raises(UnknownKernelError):
@@ -117,7 +116,7 @@ def test_workspace_layout():
     assert lay["mu_part"][1] == 3 * 3 * 32 * 128 * 4          # ceil(300 / MU_ROWS) blocks per request
     # the served 8-bit build: per-head Q scale inputs and digit images instead of fb
     assert lay["q_head"][1] == 3 * 32 * 2 * 4 and lay["cd"][1] == n * 32 * 128 * 32 and "fb" not in lay
-    per_key = workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300, knobs=PER_KEY)
+    per_key = _workspace_layout(3, 32, 8, 128, lens, "qk4pv8", True, max_qo_len=300, knobs=PER_KEY)
     assert per_key["fb"][1] == n * 32 * 128 * 4 and not {"q_head", "cd"} & set(per_key)
     for layout in (lay, per_key):
         spans = sorted(layout.values())
@@ -189,10 +188,7 @@ def test_library_params_layout_matches_the_mirror(jit_cache):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("knobs", [dict(persistent=1, poly_every=4, fac_vec=0), dict(pingpong=0, stages=4),
-                                   dict(consumers=3, pingpong=0), dict(tile_scale=1, consumers=3, pingpong=0),
-                                   PER_KEY, dict(tile_scale=1, comp_mma=1),
-                                   dict(stages=2, poly_every=16)])
+@pytest.mark.parametrize("knobs", [dict(stages=3), dict(comp_mma=0, pv_once=0, stages=3), PER_KEY, dict(pv_once=0)])
 def test_study_knob_builds_compile_without_spills(knobs, jit_cache, kernel_resources):
     spec = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=knobs)
     assert all(f"{k}-{v}" in spec.key for k, v in knobs.items())
@@ -205,55 +201,39 @@ def test_study_knob_builds_compile_without_spills(knobs, jit_cache, kernel_resou
 def test_prefill_variant_knobs_parse_and_render():
     from benchmarks.prefill_variants import parse_variant
     from mpfa_jit.ops import prefill as op
-    assert parse_variant("poly_every=4, pingpong=0") == {"poly_every": 4, "pingpong": 0}
-    assert parse_variant("persistent=1") == {"persistent": 1}
+    assert parse_variant("stages=3, pv_once=0") == {"stages": 3, "pv_once": 0}
+    assert parse_variant("tile_scale=0") == {"tile_scale": 0}
     assert parse_variant("") == {}
-    for bad, msg in (("nope=1", "unknown knob"), ("poly_every=x", "integer"), ("poly_every=3", "one of")):
+    for bad, msg in (("nope=1", "unknown knob"), ("stages=x", "integer"), ("stages=4", "one of"),
+                     ("pingpong=1", "unknown knob")):
         with pytest.raises(ValueError, match=msg):
             parse_variant(bad)
     with pytest.raises(ValueError, match="comp_mma=1 needs tile_scale=1"):
-        op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a", knobs={"comp_mma": 1})
+        op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch="sm_90a", knobs={"comp_mma": 1})
+    with pytest.raises(ValueError, match="comp_mma=1 needs tile_scale=1"):   # a variant sets over the served knobs
+        op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a", knobs={"tile_scale": 0})
     base = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch="sm_90a")
-    assert "constexpr int kPolyEvery = 4;" in op.spec(**base, knobs={"poly_every": 4}).render()
-    assert "constexpr int kPolyEvery = 0;" in op.spec(**base).render()
+    assert "constexpr int kStages = 3;" in op.spec(**base, knobs={"stages": 3}).render()
+    assert "constexpr int kStages = 2;" in op.spec(**base).render()
     # P's scale: the recipe's, or a power of two in tile_scale builds, the served one (their softmax relies on
     # kLog2P = 8 exactly)
-    assert "constexpr float kLog2P = 8.0f;" in op.spec(**base, knobs={"tile_scale": 1}).render()
+    assert "constexpr float kLog2P = 8.0f;" in op.spec(**base | {"recipe": "qk8pv8"}, knobs={"tile_scale": 1}).render()
     assert "constexpr float kLog2P = 8.0f;" in op.spec(**base).render()
     assert f"constexpr float kLog2P = {math.log2(448.0)!r}f;" in op.spec(**base, knobs=PER_KEY).render()
-    with pytest.raises(ValueError, match="poly_every=3"):
-        op.spec(**base, knobs={"poly_every": 3})
-    with pytest.raises(ValueError, match="nope"):
-        op.spec(**base, knobs={"nope": 1})
+    for bad in ({"stages": 4}, {"nope": 1}, {"pingpong": 0}, {"consumers": 3}, {"poly_every": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            op.spec(**base, knobs=bad)
 
 
-def test_ex2_poly_matches_exp2_within_its_bound():
-    """mpfa::ex2_poly (templates/include/mpfa/common.cuh) emulated in float32 with numpy, its constants read
-    from the header: relative error <= 1.3e-4 over the range the softmax feeds it, clamped below -126."""
-    import numpy as np
-    src = (mpfa_jit.render.include_dir() / "mpfa" / "common.cuh").read_text()
-    body = src[src.index("float ex2_poly"):]
-    c = [np.float32(v) for v in re.findall(r"(-?\d+\.\d+)f", body.split("return")[0])]
-    c3, c2, c1, c0 = c[-4:]
-    x = np.concatenate([np.linspace(-140, 8.81, 200001, dtype=np.float32), np.float32([-np.inf, 0.0, 1.0, -1.0])])
-    xc = np.maximum(x, np.float32(-126))
-    magic = np.float32(12582912.0)
-    t = (xc + magic).astype(np.float32)
-    f = (xc - (t - magic)).astype(np.float32)
-    p = ((c3 * f + c2) * f + c1).astype(np.float32)
-    p = (p * f + c0).astype(np.float32)
-    bits = (t.view(np.uint32).astype(np.uint64) * (1 << 23) + p.view(np.uint32)) % (1 << 32)
-    y = bits.astype(np.uint32).view(np.float32).astype(np.float64)
-    exact = np.exp2(xc.astype(np.float64))
-    assert np.all(np.isfinite(y)) and np.all(y > 0)
-    assert np.max(np.abs(y / exact - 1)[xc > -125]) <= 1.3e-4
-    assert y[-4] == y[0] and abs(y[-3] - 1) < 1.3e-4 and abs(y[-2] - 2) < 3e-4
+def test_every_build_states_its_knobs():
+    """The template has no defaults (the renderer's StrictUndefined refuses a knob left out), and every served
+    build states every knob."""
+    assert "default(" not in (mpfa_jit.render.templates_dir() / prefill_op.TEMPLATE).read_text()
+    assert all(set(k) == set(prefill_op.KNOBS) for k in prefill_op.SERVED_KNOBS.values())
 
 
-def test_three_consumer_warpgroups_knob_renders_192_row_ctas_with_64_row_q_scales():
-    with pytest.raises(ValueError, match="consumers=3 needs pingpong=0"):
-        prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH, knobs={"consumers": 3})
-    s = prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH, knobs={"consumers": 3, "pingpong": 0})
+def test_ctas_hold_three_warpgroups_192_rows_with_64_row_q_scales():
+    s = prefill_op.spec(recipe="qk8pv8", head_dim=128, page_size=16, arch=ARCH)
     ctx = dict(s.context)
     assert (ctx["q_tile"], ctx["q_scale_rows"]) == (192, 64)
     from mpfa.recipes.int8 import Q_TILE as q_scale_rows

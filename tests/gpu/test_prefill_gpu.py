@@ -365,25 +365,24 @@ def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
         w.plan(qo, indptr, idx, last, 8, 2, 128, 16, recipe="qk4pv8")
 
 
-# Builds besides the served one (mpfa_jit/ops/prefill.py SERVED_KNOBS): {} is the template's defaults (per-key K
-# scales, two warpgroups in ping-pong: the build served before prefill v3); the others take one step each, up to
-# prefill v3's (three warpgroups, one K scale per tile, compensation as an MMA k-step).
-V3 = {"tile_scale": 1, "comp_mma": 1, "consumers": 3, "pingpong": 0}
-_BUILDS = {"qk8pv8": [{}, {"consumers": 3, "pingpong": 0}, {"tile_scale": 1},
-                      {"tile_scale": 1, "consumers": 3, "pingpong": 0}, {"tile_scale": 1, "comp_mma": 1}, V3,
-                      {**V3, "pv_once": 1}],
-           "bf16": [{}, {"consumers": 3, "pingpong": 0, "stages": 2}]}
+# Builds besides the served one (mpfa_jit/ops/prefill.py SERVED_KNOBS; every knob stated, so each is the same build
+# for both recipes): per-key K scales (qk8pv8's served build), then one step each up to prefill v3's (one K scale
+# per tile, compensation as an MMA k-step, both PV parts before one wait), at 3 stages. bf16 has none (3 stages do
+# not fit its shared memory). The two-warpgroup builds are gone with their knobs (docs/design/prefill.md).
+PER_KEY = {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0}
+_BUILDS = {"qk8pv8": [PER_KEY, {**PER_KEY, "tile_scale": 1}, {**PER_KEY, "tile_scale": 1, "comp_mma": 1},
+                      {**PER_KEY, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}]}
 _BUILDS["qk4pv8"] = _BUILDS["qk8pv8"]
 STUDY_CASES = [(r, k) for r, ks in _BUILDS.items() for k in ks if k != prefill_op.SERVED_KNOBS[r]]
 
 
 @pytest.mark.parametrize("recipe,knobs", STUDY_CASES,
-                         ids=[f"{r}-" + (",".join(f"{a}={b}" for a, b in k.items()) or "defaults") for r, k in STUDY_CASES])
+                         ids=[f"{r}-" + ",".join(f"{a}={b}" for a, b in k.items()) for r, k in STUDY_CASES])
 @pytest.mark.parametrize("head_dim,page_size", [(128, 16), (128, 1), (64, 16)])
 def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs, paged_batch, bf16_rows, nan_blocks,
                                              shared_jit_cache):
-    """The prefill's other builds (plan(knobs=); benchmarks/prefill_variants.py) against the same references as the
-    served one, each with its own numerics: three consumer warpgroups change only the schedule; tile_scale scores
+    """The prefill's other builds (the private _plan_study(knobs=); benchmarks/prefill_variants.py) against the same
+    references as the served one, each with its own numerics: stages and pv_once change only the schedule; tile_scale scores
     each K tile under one scale and scales P by a power of two; comp_mma adds each key's compensation term by one
     more MMA k-step under one Q scale per head. With tile_scale a second Q whose mean is ~10^4 times its spread
     (the compensation term carries nearly all of each score; comp_mma: the Q scale's floor)."""
@@ -398,8 +397,8 @@ def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs,
         cases.append((bf16_rows(int(qo[-1]), hkv * group, head_dim, gen, scale=1e-4), True))
     for q, compensation in cases:
         w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
-        w.plan(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=True, recipe=recipe,
-               compensation=compensation, knobs=knobs)
+        w._plan_study(qo, indptr, indices, last, hkv * group, hkv, head_dim, page_size, causal=True, recipe=recipe,
+                      compensation=compensation, knobs=knobs)
         o, lse = _run_kernel(w, q, layer, nan_blocks)
         refs = _refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
                      compensation=compensation, knobs=knobs)

@@ -53,16 +53,4 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe (no MUFU): x = j + f with j = round(x) (the 1.5 * 2^23 addition leaves j in the low
-// bits of t), 2^f by a degree-3 polynomial on [-0.5, 0.5] (relative error <= 1.3e-4), then j added to the
-// exponent field. x is clamped at -126 (-inf too), so 2^x is at least ~2^-126 where MUFU.EX2.FTZ gives 0.
-// Lets a kernel move part of its exponentials off the special-function unit (8 instructions instead of 1).
-__device__ __forceinline__ float ex2_poly(float x) {
-  x = fmaxf(x, -126.f);
-  const float t = x + 12582912.f;
-  const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05504253879f, f, 0.2422900796f), f, 0.6932542920f), f, 0.9999499321f);
-  return __uint_as_float(__float_as_uint(t) * (1u << 23) + __float_as_uint(p));
-}
-
 }  // namespace mpfa

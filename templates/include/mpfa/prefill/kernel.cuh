@@ -1,8 +1,8 @@
 // prefill_kernel: warp-specialized FlashAttention over the pre-pass's tile images, one CTA per item
 // (tile_scheduler.cuh):
 //   warpgroup 0, the producer (kProducerRegs registers): one thread streams the K/V images (producer.cuh);
-//   warpgroups 1.. kConsumerWGs, the consumers (kConsumerRegs registers): 64 query rows each; per item the
-//   Q tile (q_tile.cuh), the KV tiles (mainloop.cuh, softmax.cuh) and the output rows (epilogue.cuh).
+//   warpgroups 1..3, the consumers (kConsumerRegs registers): 64 query rows each; the Q tile (q_tile.cuh),
+//   the KV tiles (mainloop.cuh, softmax.cuh) and the output rows (epilogue.cuh).
 #pragma once
 #include <math_constants.h>
 #include "mpfa/common.cuh"
@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
   uint8_t* smem = smem_raw + (base_addr - raw_addr);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Item only = kPersistent ? Item{} : item_at(p, int(blockIdx.x));   // the CTA's item unless persistent
+  const Item it = item_at(p, int(blockIdx.x));
 
   const Ring ring = ring_at(base_addr);
   if (tid == 0) init_ring(ring);
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
 
   if (warp < 4) {
     mpfa::pipe::setmaxnreg_dec<kProducerRegs>();
-    if (warp == 0 && lane == 0) produce(p, only, ring);
+    if (warp == 0 && lane == 0) produce(p, it, ring);
     return;
   }
 
@@ -43,42 +43,31 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
   const int g = lane / 4, c = lane % 4;
   float* red = reinterpret_cast<float*>(smem + kOffRed);
 
-  int g0 = 0;   // tiles of this CTA's earlier items: the ring position of tile t is g0 + t
-  for (int k = 0; k < kMaxItemsPerCta; ++k) {
-    const int item = item_of(k, p.num_items);
-    if (kPersistent && item >= p.num_items) break;
-    const Item it = kPersistent ? item_at(p, item) : only;
-    // Q (and the amax scratch) are rewritten below: every warpgroup must be past the previous item's QK MMAs.
-    if (k > 0) mpfa::pipe::named_sync(1, kConsumers);
+  const float sq = load_q(p, it, smem, red, ct, cw, lane);
+  zero_fb(p, smem, ct);
+  write_digit_weights(smem, ct);
+  mpfa::wg::fence_proxy_async();
+  mpfa::pipe::named_sync(1, kConsumers);   // Q (and the zero fb, the digit weights) visible to every warpgroup
 
-    const float sq = load_q(p, it, smem, red, ct, cw, lane);
-    zero_fb(p, smem, ct);
-    if (k == 0) write_digit_weights(smem, ct);
-    mpfa::wg::fence_proxy_async();
-    mpfa::pipe::named_sync(1, kConsumers);   // Q (and the zero fb, the digit weights) visible to every warpgroup
-
-    const int r_lo = wg * 64 + wq * 16 + g;            // tile rows r_lo and r_lo + 8
-    MaskRows mr;
-    mr.kv_len = it.kv_len;
-    mr.diag = it.diag;
-    mr.wg_first_row = it.row0 + wg * 64;
-    mr.i_lo = it.row0 + r_lo;                          // query index within the request's chunk
-    mr.c = c;
-    float o_acc[kORegs];
+  const int r_lo = wg * 64 + wq * 16 + g;            // tile rows r_lo and r_lo + 8
+  MaskRows mr;
+  mr.kv_len = it.kv_len;
+  mr.diag = it.diag;
+  mr.wg_first_row = it.row0 + wg * 64;
+  mr.i_lo = it.row0 + r_lo;                          // query index within the request's chunk
+  mr.c = c;
+  float o_acc[kORegs];
 #pragma unroll
-    for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
-    SoftmaxRows st;
-    st.m_run[0] = st.m_run[1] = -CUDART_INF_F;
-    st.l_run[0] = st.l_run[1] = 0.f;
-    // Q's descriptor from a warp-uniform address (the warpgroup index through a shuffle), rebuilt per tile in
-    // uniform registers: kept across the loop it lives in vector registers and costs 2 R2UR + 1 UMOV per MMA.
-    const uint32_t q_addr = __shfl_sync(0xffffffffu, base_addr + kOffQ + wg * 64 * kW, 0);
+  for (int i = 0; i < kORegs; ++i) o_acc[i] = 0.f;
+  SoftmaxRows st;
+  st.m_run[0] = st.m_run[1] = -CUDART_INF_F;
+  st.l_run[0] = st.l_run[1] = 0.f;
+  // Q's descriptor from a warp-uniform address (the warpgroup index through a shuffle), rebuilt per tile in
+  // uniform registers: kept across the loop it lives in vector registers and costs 2 R2UR + 1 UMOV per MMA.
+  const uint32_t q_addr = __shfl_sync(0xffffffffu, base_addr + kOffQ + wg * 64 * kW, 0);
 
-    if constexpr (kConsumerWGs == 2) mainloop(p, ring, smem, g0, it.n_tiles, wg, q_addr, sq, mr, o_acc, st);
-    else mainloop_serial(p, ring, smem, g0, it.n_tiles, q_addr, sq, mr, o_acc, st);
-    store_o(p, it, o_acc, st, r_lo, c);
-    g0 += it.n_tiles;
-  }
+  mainloop(p, ring, smem, it.n_tiles, q_addr, sq, mr, o_acc, st);
+  store_o(p, it, o_acc, st, r_lo, c);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Tile sizes, the tile images' byte layout and the main kernel's shared-memory layout, derived from the
 // specialization constants prefill.cu.jinja defines before including this header: kRecipe, kHeadDim,
 // kPageSize, Layout (mpfa::CacheLayout), kBM, kBN, kMuRows, kLog2P (mpfa_jit/ops/prefill.py) and the knobs
-// kFacVec, kStages, kPingPong, kPolyEvery, kPersistent, kTileScale, kCompMma, kPvOnce (mpfa_jit/ops/prefill.py).
+// kStages, kTileScale, kCompMma, kPvOnce (mpfa_jit/ops/prefill.py).
 #pragma once
 #include <cstdint>
 #include <math_constants.h>
@@ -54,13 +54,13 @@ constexpr int kQxBytes = kQuant && kCompMma ? 64 * kCdRow : 0;   // one warpgrou
 static_assert(!kCompMma || kTileScale, "comp_mma builds on tile_scale (one K scale per tile)");
 static_assert(kImgK % 1024 == 0 && kImgV % 1024 == 0, "images keep 1024-byte alignment");
 
-// Order of the per-key factors fa / fb in a tile's vector. kFacVec: the 4 keys a consumer thread holds in
+// Order of the per-key factors fa / fb in a tile's vector: the 4 keys a consumer thread holds in
 // two consecutive 8-column groups of the S accumulator (columns 8j + 2c + e, j = 2m or 2m + 1, e < 2; its
 // lane's c = lane % 4) are adjacent, and the 4 lanes of one g hold 16-byte chunks in turn: the softmax reads
 // a vector with 8 LDS.128 instead of 16 LDS.64, 64 contiguous bytes per warp instruction (no bank
-// conflict). Otherwise key order.
+// conflict).
 __host__ __device__ constexpr int fac_pos(int key) {   // key (0..kBN-1) -> its place in the fa / fb vector
-  return kFacVec ? (key >> 4) * 16 + ((key & 7) >> 1) * 4 + ((key >> 3) & 1) * 2 + (key & 1) : key;
+  return (key >> 4) * 16 + ((key & 7) >> 1) * 4 + ((key >> 3) & 1) * 2 + (key & 1);
 }
 // The softmax reads the vector at (j / 2) * 16 + 4c (+2 for odd j) directly, where the compiler cannot see
 // c < 4 through fac_pos: that address must be fac_pos of the key it stands for, for every j, c and e.
@@ -71,24 +71,23 @@ constexpr bool fac_reads_match() {
         if (fac_pos(8 * j + 2 * c + e) != (j >> 1) * 16 + 4 * c + 2 * (j & 1) + e) return false;
   return true;
 }
-static_assert(!kFacVec || fac_reads_match(), "the softmax's fa / fb addresses follow fac_pos");
+static_assert(fac_reads_match(), "the softmax's fa / fb addresses follow fac_pos");
 
 // Pre-passes: threads per block.
 constexpr int kPackThreads = 256;
 
-// Main kernel: a producer warpgroup and kBM / 64 consumer warpgroups of 64 query rows each. Two run
-// software-pipelined (mainloop.cuh mainloop); three run each tile's steps in order (mainloop_serial), their
-// registers too few for S and the PV accumulator to live together, the other two warpgroups filling the gaps.
+// Main kernel: a producer warpgroup and three consumer warpgroups of 64 query rows each, each running a tile's
+// steps in order (mainloop.cuh), their registers too few for S and the PV accumulator to live together, the
+// other two warpgroups filling the gaps.
 constexpr int kConsumerWGs = kBM / 64;
-static_assert(kBM % 64 == 0 && (kConsumerWGs == 2 || kConsumerWGs == 3), "2 or 3 consumer warpgroups of 64 rows");
+static_assert(kBM == 3 * 64, "three consumer warpgroups of 64 rows");
 constexpr int kConsumers = 128 * kConsumerWGs;
 constexpr int kThreads = 128 + kConsumers;
 // Registers per thread after setmaxnreg: the producer's 24 leave (65536 - 128 * 24) / kConsumers, rounded
 // down to a multiple of 8.
 constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / kConsumers / 8 * 8;   // 240 or 160
+constexpr int kConsumerRegs = (65536 - 128 * kProducerRegs) / kConsumers / 8 * 8;   // 160
 static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "the register file holds every warpgroup");
-static_assert(!kPingPong || kConsumerWGs == 2, "the ping-pong schedule pairs two warpgroups");
 // INT8 Q: one scale per kQScaleRows query rows (a whole number of warpgroups, within one CTA).
 static_assert(kQScaleRows % 64 == 0 && kBM % kQScaleRows == 0, "Q scale tiles are whole warpgroups of one CTA");
 constexpr int kQScaleGroups = kBM / kQScaleRows;

@@ -1,13 +1,10 @@
 // The consumer warpgroups' main loop over an item's KV tiles: MMA issue (S = Q K^T with both operands in
-// shared memory, INT8 for the quantized recipes; O += P V^T with P from registers) around the softmax,
-// software-pipelined inside the warpgroup: while the tensor cores run S(t) and then P(t-1) V(t-1), the warps
-// do the softmax of tile t.
+// shared memory, INT8 for the quantized recipes; O += P V^T with P from registers) around the softmax.
+// Each of the three consumer warpgroups runs each tile's steps in order (S = Q K^T, the softmax, P V, the fold):
+// no pipelining inside a warpgroup (their registers are too few for S and the PV accumulator to live together),
+// the other warpgroups filling the tensor cores while one runs its softmax (SageAttention's sm90 order).
 // FP8: P V lands in its own accumulator (two-level accumulation) and is folded in as O = O * corr + O_part
 // once it completes, in kParts column parts; bf16: O is rescaled before its MMA accumulates into it.
-// With kPingPong the two warpgroups take turns issuing (named barriers 2 and 3), so one warpgroup's softmax
-// runs while the tensor cores work on the other's tile (FlashAttention-3's ping-pong schedule).
-// Three consumer warpgroups run mainloop_serial instead: each tile's steps in order, no pipelining inside a
-// warpgroup (their registers are too few), the other warpgroups filling the tensor cores.
 #pragma once
 #include "mpfa/pipeline.cuh"
 #include "mpfa/wgmma.cuh"
@@ -37,7 +34,7 @@ __device__ __forceinline__ void mma_pv_bf16(float (&d)[NR], const uint32_t (&a)[
   else mpfa::wg::mma_rs_bf16_n64(d, a, db, 1);
 }
 
-// S = Q K^T of the CTA's g-th tile once its K image has landed. q_addr: the warpgroup's Q rows, warp-uniform.
+// S = Q K^T of the item's g-th KV tile once its K image has landed. q_addr: the warpgroup's Q rows, warp-uniform.
 // digits (kCompMma): one more k-step adds each key's compensation term, its digit image against the weights
 // (64 identical rows, which every warpgroup reads).
 __device__ __forceinline__ void issue_qk(const Ring& ring, int g, uint32_t q_addr, bool digits, float (&sc)[kSRegs]) {
@@ -61,7 +58,7 @@ __device__ __forceinline__ void issue_qk(const Ring& ring, int g, uint32_t q_add
   mpfa::wg::commit();
 }
 
-// P V of the CTA's g-th tile (column part `part` for FP8, into o_part; bf16: O rescaled by corr_prev, then
+// P V of the item's g-th KV tile (column part `part` for FP8, into o_part; bf16: O rescaled by corr_prev, then
 // accumulated into).
 __device__ __forceinline__ void issue_pv(const Ring& ring, int g, int part, const uint32_t (&pa)[kPK][4],
                                          float (&o_part)[kQuant ? kPartRegs : 1], float (&o_acc)[kORegs],
@@ -107,105 +104,38 @@ __device__ __forceinline__ void release(const Ring& ring, int g) {
   mpfa::pipe::mbar_arrive(ring.empty + 8 * (g % kStages));
 }
 
-__device__ __forceinline__ void take_turn(int wg) {
-  if constexpr (kPingPong) mpfa::pipe::named_sync(2 + wg, kConsumers);
-}
-// Warpgroup 1 does not pass after its last tile: no one waits for it.
-__device__ __forceinline__ void pass_turn(int wg, int t, int n_tiles) {
-  if constexpr (kPingPong) {
-    if (wg == 0 || t + 1 < n_tiles) mpfa::pipe::named_arrive(2 + (1 - wg), kConsumers);
-  }
-}
-
-// All n_tiles KV tiles of one item, the first being the CTA's g0-th: O (unnormalized) into o_acc, the
-// rows' maxima and sums into st. wg: the consumer warpgroup (0, 1); q_addr: its Q rows; sq: the Q scale.
-__device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring, const uint8_t* smem, int g0,
-                                         int n_tiles, int wg, uint32_t q_addr, float sq, const MaskRows& mr,
-                                         float (&o_acc)[kORegs], SoftmaxRows& st) {
-  float corr_prev[2] = {1.f, 1.f};                   // rescale of O for the tile whose P V is in flight
-  uint32_t pa[kPK][4];                               // P of the previous tile as the PV A operand
-  float sc[kSRegs];
-  float o_part[kQuant ? kPartRegs : 1];
-
-  if (kPingPong && wg == 1 && n_tiles > 0) mpfa::pipe::named_arrive(2, kConsumers);   // warpgroup 0 starts
-
-  if (n_tiles > 0) {
-    take_turn(wg);
-    issue_qk(ring, g0, q_addr, comp_digits(p), sc);
-    pass_turn(wg, 0, n_tiles);
-    mpfa::wg::wait<0>();
-    mpfa::wg::fence_operand(sc);
-    softmax_max(p, sc, st, corr_prev, smem, g0 % kStages, 0, mr, sq);   // O is 0: its factor is irrelevant
-    softmax_exp(sc, st);
-    pack_p(sc, pa);
-  }
-  for (int t = 1; t < n_tiles; ++t) {
-    take_turn(wg);
-    issue_qk(ring, g0 + t, q_addr, comp_digits(p), sc);
-    issue_pv(ring, g0 + t - 1, 0, pa, o_part, o_acc, corr_prev);
-    pass_turn(wg, t, n_tiles);
-    mpfa::wg::wait<1>();     // S(t) ready; P(t-1) V(t-1) may still run
-    mpfa::wg::fence_operand(sc);
-    float corr[2];
-    softmax_max(p, sc, st, corr, smem, (g0 + t) % kStages, t * kBN, mr, sq);
-    mpfa::wg::wait<0>();
-    fold_pv(0, o_part, o_acc, corr_prev);
-    if constexpr (kParts == 2) issue_pv(ring, g0 + t - 1, 1, pa, o_part, o_acc, corr_prev);
-    softmax_exp(sc, st);
-    if constexpr (kParts == 2) {
-      mpfa::wg::wait<0>();
-      fold_pv(1, o_part, o_acc, corr_prev);
-    }
-    release(ring, g0 + t - 1);
-    corr_prev[0] = corr[0]; corr_prev[1] = corr[1];
-    pack_p(sc, pa);
-  }
-  if (n_tiles > 0) {
-#pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      issue_pv(ring, g0 + n_tiles - 1, part, pa, o_part, o_acc, corr_prev);
-      mpfa::wg::wait<0>();
-      fold_pv(part, o_part, o_acc, corr_prev);
-    }
-    release(ring, g0 + n_tiles - 1);
-  }
-}
-
-
-// The same for three consumer warpgroups: each tile's steps in order (S = Q K^T, the softmax, P V into the part
-// accumulator, the fold), so S and the part accumulator are never live together and a warpgroup fits the
-// kConsumerRegs registers that three leave; the tensor cores stay busy with the other warpgroups' MMAs while
-// one runs its softmax (SageAttention's sm90 order).
-__device__ __forceinline__ void mainloop_serial(const KernelParams& p, const Ring& ring, const uint8_t* smem, int g0,
-                                                int n_tiles, uint32_t q_addr, float sq, const MaskRows& mr,
-                                                float (&o_acc)[kORegs], SoftmaxRows& st) {
+// All n_tiles KV tiles of the CTA's item: O (unnormalized) into o_acc, the rows' maxima and sums into st.
+// q_addr: the warpgroup's Q rows; sq: the Q scale.
+__device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring, const uint8_t* smem, int n_tiles,
+                                         uint32_t q_addr, float sq, const MaskRows& mr, float (&o_acc)[kORegs],
+                                         SoftmaxRows& st) {
   uint32_t pa[kPK][4];
   float o_part[kQuant ? kPartRegs : 1];
   for (int t = 0; t < n_tiles; ++t) {
     float sc[kSRegs];
-    issue_qk(ring, g0 + t, q_addr, comp_digits(p), sc);
+    issue_qk(ring, t, q_addr, comp_digits(p), sc);
     mpfa::wg::wait<0>();
     mpfa::wg::fence_operand(sc);
     float corr[2];
-    softmax_max(p, sc, st, corr, smem, (g0 + t) % kStages, t * kBN, mr, sq);
+    softmax_max(p, sc, st, corr, smem, t % kStages, t * kBN, mr, sq);
     softmax_exp(sc, st);
     pack_p(sc, pa);
     if constexpr (kPvOnce && kParts == 2) {
       float o_part1[kQuant ? kPartRegs : 1];   // o_part's type: the branch is compiled (not a template) for bf16 too
-      issue_pv(ring, g0 + t, 0, pa, o_part, o_acc, corr);
-      issue_pv(ring, g0 + t, 1, pa, o_part1, o_acc, corr);
+      issue_pv(ring, t, 0, pa, o_part, o_acc, corr);
+      issue_pv(ring, t, 1, pa, o_part1, o_acc, corr);
       mpfa::wg::wait<0>();
       fold_pv(0, o_part, o_acc, corr);
       fold_pv(1, o_part1, o_acc, corr);
     } else {
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
-        issue_pv(ring, g0 + t, part, pa, o_part, o_acc, corr);
+        issue_pv(ring, t, part, pa, o_part, o_acc, corr);
         mpfa::wg::wait<0>();
         fold_pv(part, o_part, o_acc, corr);
       }
     }
-    release(ring, g0 + t);
+    release(ring, t);
   }
 }
 

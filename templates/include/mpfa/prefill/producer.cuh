@@ -11,8 +11,8 @@
 
 namespace {
 
-// The K/V ring in shared memory. A CTA's g-th tile (counted across its items) uses stage g % kStages and
-// waits for phase (g / kStages) & 1 of that stage's barriers.
+// The K/V ring in shared memory. The item's g-th KV tile uses stage g % kStages and waits for phase
+// (g / kStages) & 1 of that stage's barriers.
 struct Ring {
   uint32_t base;     // shared-memory address of the 1024-aligned layout (kernel_traits.cuh)
   uint32_t full_k;   // kStages barriers: K image (+ fa, fb) landed
@@ -39,38 +39,31 @@ __device__ __forceinline__ void init_ring(const Ring& ring) {
   mpfa::pipe::mbar_init_fence();
 }
 
-// The producer thread's whole work: every tile of every item of this CTA (`only` is its item unless
-// kPersistent), in the order the consumers take them.
-__device__ __forceinline__ void produce(const KernelParams& p, const Item& only, const Ring& ring) {
+// The producer thread's whole work: every KV tile of the CTA's item, in the order the consumers take them.
+__device__ __forceinline__ void produce(const KernelParams& p, const Item& it, const Ring& ring) {
   const int nh = p.num_qo_heads;
-  int g = 0;   // tiles this CTA has streamed
-  for (int k = 0; k < kMaxItemsPerCta; ++k) {
-    const int item = item_of(k, p.num_items);
-    if (kPersistent && item >= p.num_items) break;
-    const Item it = kPersistent ? item_at(p, item) : only;
-    const int b = it.b, hq = it.hq, hk = it.hk, n_tiles = it.n_tiles;
-    const int kvt0 = p.kv_tile_base[b];
-    const bool digits = comp_digits(p);   // the compensation digits instead of fb
-    for (int t = 0; t < n_tiles; ++t, ++g) {
-      const int s = g % kStages;
-      if (g >= kStages) mpfa::pipe::mbar_wait(ring.empty + 8 * s, ((g / kStages) - 1) & 1);
-      const int64_t img = int64_t(kvt0 + t) * p.num_kv_heads + hk;
-      const uint32_t fk = ring.full_k + 8 * s, fv = ring.full_v + 8 * s;
-      uint32_t kbytes = kImgK;
-      if constexpr (kQuant) kbytes += digits ? kFac + kImgCd : p.fb != nullptr ? 2 * kFac : kFac;
-      mpfa::pipe::mbar_expect_tx(fk, kbytes);
-      mpfa::pipe::bulk_g2s(ring.base + kOffK + s * kImgK, p.k_img + img * kImgK, kImgK, fk);
-      if constexpr (kQuant) {
-        mpfa::pipe::bulk_g2s(ring.base + kOffFa + s * kFac, p.fa + img * kBN, kFac, fk);
-        if (digits)
-          mpfa::pipe::bulk_g2s(ring.base + kOffCd + s * kImgCd, p.cd_img + (int64_t(kvt0 + t) * nh + hq) * kImgCd,
-                               kImgCd, fk);
-        else if (p.fb != nullptr)
-          mpfa::pipe::bulk_g2s(ring.base + kOffFb + s * kFac, p.fb + (int64_t(kvt0 + t) * nh + hq) * kBN, kFac, fk);
-      }
-      mpfa::pipe::mbar_expect_tx(fv, kImgV);
-      mpfa::pipe::bulk_g2s(ring.base + kOffV + s * kImgV, p.v_img + img * kImgV, kImgV, fv);
+  const int b = it.b, hq = it.hq, hk = it.hk, n_tiles = it.n_tiles;
+  const int kvt0 = p.kv_tile_base[b];
+  const bool digits = comp_digits(p);   // the compensation digits instead of fb
+  for (int g = 0; g < n_tiles; ++g) {
+    const int s = g % kStages;
+    if (g >= kStages) mpfa::pipe::mbar_wait(ring.empty + 8 * s, ((g / kStages) - 1) & 1);
+    const int64_t img = int64_t(kvt0 + g) * p.num_kv_heads + hk;
+    const uint32_t fk = ring.full_k + 8 * s, fv = ring.full_v + 8 * s;
+    uint32_t kbytes = kImgK;
+    if constexpr (kQuant) kbytes += digits ? kFac + kImgCd : p.fb != nullptr ? 2 * kFac : kFac;
+    mpfa::pipe::mbar_expect_tx(fk, kbytes);
+    mpfa::pipe::bulk_g2s(ring.base + kOffK + s * kImgK, p.k_img + img * kImgK, kImgK, fk);
+    if constexpr (kQuant) {
+      mpfa::pipe::bulk_g2s(ring.base + kOffFa + s * kFac, p.fa + img * kBN, kFac, fk);
+      if (digits)
+        mpfa::pipe::bulk_g2s(ring.base + kOffCd + s * kImgCd, p.cd_img + (int64_t(kvt0 + g) * nh + hq) * kImgCd,
+                             kImgCd, fk);
+      else if (p.fb != nullptr)
+        mpfa::pipe::bulk_g2s(ring.base + kOffFb + s * kFac, p.fb + (int64_t(kvt0 + g) * nh + hq) * kBN, kFac, fk);
     }
+    mpfa::pipe::mbar_expect_tx(fv, kImgV);
+    mpfa::pipe::bulk_g2s(ring.base + kOffV + s * kImgV, p.v_img + img * kImgV, kImgV, fv);
   }
 }
 

@@ -159,17 +159,13 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   for (int j = 0; j < kBN / 8; ++j) {
     if constexpr (kQuant) {
       float2 a2, b2;   // b2: zeros without compensation
-      if constexpr (kFacVec) {   // one 16-byte load serves groups j and j + 1
-        const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
-        const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
-        b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
-        if constexpr (!uniform_k_tiles()) {
-          const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
-          a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
-        }
-      } else {
-        b2 = *reinterpret_cast<const float2*>(fb + 8 * j + 2 * c);
-        if constexpr (!uniform_k_tiles()) a2 = *reinterpret_cast<const float2*>(fa + 8 * j + 2 * c);
+      // one 16-byte load serves groups j and j + 1
+      const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
+      const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
+      b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
+      if constexpr (!uniform_k_tiles()) {
+        const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
+        a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
       }
       if constexpr (uniform_k_tiles()) {
         a2 = make_float2(st.a, st.a);
@@ -205,8 +201,8 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
   }
 }
 
-// Phase 2: sc becomes P (fp32, scaled by 2^kLog2P for FP8); l_run sums it. Every kPolyEvery-th score's exp2
-// runs on the FMA pipe (mpfa::ex2_poly), the rest on MUFU. kRaw: the x of a kTileScale tile (softmax_max_raw).
+// Phase 2: sc becomes P (fp32, scaled by 2^kLog2P for FP8); l_run sums it. kRaw: the x of a kTileScale tile
+// (softmax_max_raw).
 template <bool kRaw>
 __device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxRows& st) {
   float lp[2][4];   // 4 independent sums per row, as for the maxima
@@ -215,8 +211,7 @@ __device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxR
 #pragma unroll
   for (int i = 0; i < kSRegs; ++i) {
     const float x = kRaw ? fmaf(sc[i], st.a, st.c[(i >> 1) & 1]) : sc[i] - st.base[(i >> 1) & 1];
-    const float pr = (kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) ? mpfa::ex2_poly(x)
-                                                                                                : mpfa::ex2(x);
+    const float pr = mpfa::ex2(x);
     lp[(i >> 1) & 1][(i >> 2) & 3] += pr;
     sc[i] = pr;
   }

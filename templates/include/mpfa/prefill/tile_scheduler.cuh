@@ -1,8 +1,6 @@
-// Work items of the main kernel and the order a CTA takes them in: one CTA per item, or (kPersistent)
-// one CTA per SM walking the plan's longest-first list. The plan (python/mpfa/prefill.py tile_schedule)
-// orders the query tiles; item i is query tile i / Hq of that list and query head i % Hq.
+// Work items of the main kernel: one CTA per item, CTA i running item i. The plan (python/mpfa/prefill.py
+// tile_schedule) orders the query tiles longest first; item i is query tile i / Hq of that list and query head i % Hq.
 #pragma once
-#include "mpfa/common.cuh"
 #include "mpfa/prefill/kernel_traits.cuh"
 #include "mpfa/prefill/params.cuh"
 
@@ -38,24 +36,6 @@ __device__ __forceinline__ Item item_at(const KernelParams& p, int item) {
   const int kv_end = p.causal ? min(it.kv_len, it.row0 + it.rows + it.diag) : it.kv_len;
   it.n_tiles = (kv_end + kBN - 1) / kBN;
   return it;
-}
-
-// The k-th item of this CTA, or num_items when it has no more: one item per CTA, or (kPersistent) rounds of
-// gridDim.x items in alternating direction over the longest-first list, so each CTA's heavy and light
-// items pair up.
-__device__ __forceinline__ int item_of(int k, int num_items) {
-  if constexpr (!kPersistent) return int(blockIdx.x);
-  const int G = int(gridDim.x), c = int(blockIdx.x);
-  const int item = k * G + ((k & 1) ? G - 1 - c : c);
-  return item < num_items ? item : num_items;
-}
-
-// Items a CTA runs: 1, or (kPersistent) until item_of runs out.
-constexpr int kMaxItemsPerCta = kPersistent ? 0x7fffffff : 1;
-
-// CTAs of the main kernel's grid.
-inline int grid_size(int num_items, int device) {
-  return kPersistent ? min(num_items, mpfa::sm_count(device)) : num_items;
 }
 
 }  // namespace
