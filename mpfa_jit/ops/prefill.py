@@ -94,8 +94,8 @@ class PrefillParams(ctypes.Structure):
                 ("k", _p), ("k8", _p), ("k_block_scale", _p), ("k_scale", _p), ("v", _p), ("v_scale", _p),
                 ("qo_indptr", _p), ("kv_indptr", _p), ("indices", _p), ("last_page_len", _p),
                 ("kv_tile_base", _p), ("tile_req", _p), ("tile_q", _p), ("kvt_req", _p), ("kvt_idx", _p),
-                ("num_tiles", _i32), ("num_kv_tiles", _i32), ("batch", _i32), ("num_qo_heads", _i32),
-                ("num_kv_heads", _i32), ("causal", _i32), ("sm_scale", _f32), ("mu_blocks", _i32),
+                ("num_qo_heads", _i32), ("num_kv_heads", _i32), ("causal", _i32), ("sm_scale", _f32),
+                ("num_tiles", _i32), ("num_kv_tiles", _i32), ("batch", _i32), ("mu_blocks", _i32),
                 ("mu_part", _p), ("mu", _p), ("k_img", _p), ("v_img", _p), ("fa", _p), ("fb", _p),
                 ("q_head", _p), ("cd_img", _p), ("out", _p), ("out_stride_t", _i64), ("out_stride_h", _i64), ("lse", _p)]
 

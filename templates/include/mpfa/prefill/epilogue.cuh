@@ -12,7 +12,7 @@
 namespace {
 
 // r_lo: the thread's first row within the tile (the other is r_lo + 8); c = lane % 4.
-__device__ __forceinline__ void store_o(const KernelParams& p, const Item& it, const float (&o_acc)[kORegs],
+__device__ __forceinline__ void store_o(const PrefillParams& p, const Item& it, const float (&o_acc)[kORegs],
                                         const SoftmaxRows& st, int r_lo, int c) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -19,7 +19,7 @@
 
 namespace {
 
-__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParams p, float score_scale) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = mpfa::smem_u32(smem_raw);
   const uint32_t base_addr = (raw_addr + 1023u) & ~1023u;
@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelParams
   // uniform registers: kept across the loop it lives in vector registers and costs 2 R2UR + 1 UMOV per MMA.
   const uint32_t q_addr = __shfl_sync(0xffffffffu, base_addr + kOffQ + wg * 64 * kW, 0);
 
-  mainloop(p, ring, smem, it.n_tiles, q_addr, sq, mr, o_acc, st);
+  mainloop(p, score_scale, ring, smem, it.n_tiles, q_addr, sq, mr, o_acc, st);
   store_o(p, it, o_acc, st, r_lo, c);
 }
 

@@ -117,8 +117,8 @@ __device__ __forceinline__ constexpr bool uniform_k_tiles() { return kQuant && k
 // kCompScaleDivisor) (1 if both are 0), so that every key's term C_j = (mu_Q . Kint_j) / sq, at most
 // 127 |mu_Q|_1 / sq, has digits.
 // q_head: the head's [amax of Q - mu_Q, |mu_Q|_1] (prepass_q_mean.cuh).
-__device__ __forceinline__ bool comp_digits(const KernelParams& p) { return kCompMma && p.q_head != nullptr; }
-__device__ __forceinline__ float head_q_scale(const KernelParams& p, int b, int hq) {
+__device__ __forceinline__ bool comp_digits(const PrefillParams& p) { return kCompMma && p.q_head != nullptr; }
+__device__ __forceinline__ float head_q_scale(const PrefillParams& p, int b, int hq) {
   const float* qh = p.q_head + (int64_t(b) * p.num_qo_heads + hq) * 2;
   // amax 0 (a one-row request): the floor is the terms' unit, not 1
   const float s = qh[0] == 0.f ? 0.f : mpfa::amax_scale_or_nan(qh[0], mpfa::kInt8Max);

@@ -105,8 +105,8 @@ __device__ __forceinline__ void release(const Ring& ring, int g) {
 }
 
 // All n_tiles KV tiles of the CTA's item: O (unnormalized) into o_acc, the rows' maxima and sums into st.
-// q_addr: the warpgroup's Q rows; sq: the Q scale.
-__device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring, const uint8_t* smem, int n_tiles,
+// q_addr: the warpgroup's Q rows; sq: the Q scale; score_scale: sm_scale * log2(e).
+__device__ __forceinline__ void mainloop(const PrefillParams& p, float score_scale, const Ring& ring, const uint8_t* smem, int n_tiles,
                                          uint32_t q_addr, float sq, const MaskRows& mr, float (&o_acc)[kORegs],
                                          SoftmaxRows& st) {
   uint32_t pa[kPK][4];
@@ -117,7 +117,7 @@ __device__ __forceinline__ void mainloop(const KernelParams& p, const Ring& ring
     mpfa::wg::wait<0>();
     mpfa::wg::fence_operand(sc);
     float corr[2];
-    softmax_max(p, sc, st, corr, smem, t % kStages, t * kBN, mr, sq);
+    softmax_max(p, score_scale, sc, st, corr, smem, t % kStages, t * kBN, mr, sq);
     softmax_exp(sc, st);
     pack_p(sc, pa);
     if constexpr (kPvOnce && kParts == 2) {

@@ -1,13 +1,16 @@
 // The prefill library's arguments: PrefillParams is the C ABI (what mpfa_prefill takes; mirrored by
-// mpfa_jit/ops/prefill.py's ctypes.Structure and checked at load through mpfa_prefill_params_layout);
-// KernelParams is what the kernels read, derived from it at launch.
+// mpfa_jit/ops/prefill.py's ctypes.Structure and checked at load through mpfa_prefill_params_layout). The
+// kernels take it by value as launched (prefill.cu.jinja's mpfa_prefill: a copy with mu, fb, q_head and cd_img
+// nulled unless the launch compensates, so the kernels test fb / q_head alone), plus score_scale = sm_scale *
+// log2(e) as an argument of the kernels that scale scores (kv_pack_kernel, prefill_kernel).
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
 #include "mpfa/abi.cuh"
 
 // Host pointers are device addresses; [..] shapes in tokens (total_q: all requests' query rows), pages and
-// heads; the tile lists and workspace sections are the wrapper's plan (python/mpfa/prefill.py).
+// heads; the tile lists and workspace sections are the wrapper's plan (python/mpfa/prefill.py). num_qo_heads and
+// num_kv_heads lead the scalars as one 8-byte-aligned pair (the kernels load both with one LDC.64).
 #define MPFA_PREFILL_PARAMS(X)                                                                        \
   X(const __nv_bfloat16*, q)       /* [total_q, Hq, D] */                                             \
   X(int64_t, q_stride_t)                                                                              \
@@ -27,13 +30,13 @@
   X(const int*, tile_q)            /* [num_tiles]: query tile index within the request */             \
   X(const int*, kvt_req)           /* [num_kv_tiles] */                                               \
   X(const int*, kvt_idx)           /* [num_kv_tiles]: KV tile index within the request */             \
-  X(int, num_tiles)                                                                                   \
-  X(int, num_kv_tiles)                                                                                \
-  X(int, batch)                                                                                       \
   X(int, num_qo_heads)                                                                                \
   X(int, num_kv_heads)                                                                                \
   X(int, causal)                                                                                      \
   X(float, sm_scale)                                                                                  \
+  X(int, num_tiles)                                                                                   \
+  X(int, num_kv_tiles)                                                                                \
+  X(int, batch)                                                                                       \
   X(int, mu_blocks)                /* blocks of kMuRows query rows of the longest chunk; 0: no compensation */ \
   X(float*, mu_part)               /* workspace: [mu_blocks, batch, Hq, D] */                         \
   X(float*, mu)                    /* workspace: [batch, Hq, D] */                                    \
@@ -51,43 +54,3 @@
 struct PrefillParams {
   MPFA_PREFILL_PARAMS(MPFA_DECLARE_FIELD)
 };
-
-namespace {
-
-// What the kernels read (passed by value as the kernels' parameter). mu and fb are null unless the launch
-// compensates; the kernels test fb alone.
-struct KernelParams {
-  const __nv_bfloat16* q;      // [total_q, Hq, D]
-  int64_t q_stride_t, q_stride_h;
-  const uint8_t* k;
-  const uint8_t* k8;
-  const uint8_t* k_block_scale;
-  const float* k_scale;
-  const uint8_t* v;
-  const float* v_scale;
-  const int* qo_indptr;
-  const int* kv_indptr;
-  const int* indices;
-  const int* last_page_len;
-  const int* kv_tile_base;
-  const int* tile_req;
-  const int* tile_q;
-  const int* kvt_req;
-  const int* kvt_idx;
-  int num_qo_heads, num_kv_heads;
-  int num_items;               // (query tile, query head) pairs = num_tiles * num_qo_heads
-  int causal;
-  float score_scale;           // sm_scale * log2(e)
-  const float* mu;             // [batch, Hq, D] or null (no compensation)
-  uint8_t* k_img;
-  uint8_t* v_img;
-  float* fa;
-  float* fb;                   // or null (no compensation)
-  float* q_head;               // comp_mma builds with compensation: [batch, Hq, 2]; else null
-  uint8_t* cd_img;             // with q_head: the compensation digit images; else null
-  __nv_bfloat16* out;
-  int64_t out_stride_t, out_stride_h;
-  float* lse;
-};
-
-}  // namespace

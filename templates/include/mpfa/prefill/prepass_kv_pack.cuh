@@ -86,7 +86,7 @@ __device__ __forceinline__ void write_digits(uint8_t* img, int key, int c) {
         make_uint4(w[4 * c16], w[4 * c16 + 1], w[4 * c16 + 2], w[4 * c16 + 3]);
 }
 
-__global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const PrefillParams p, float score_scale) {
   __shared__ __align__(16) uint8_t st[kPackSmem];
   float* ks = reinterpret_cast<float*>(st + kPackOffKs);
   const int i = blockIdx.x / kPackParts, part = blockIdx.x % kPackParts, hk = blockIdx.y, tid = threadIdx.x;
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
     }
   }
   if constexpr (kQuant) {
-    if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = (uniform ? tile_scale : ks[tid]) * p.score_scale;
+    if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = (uniform ? tile_scale : ks[tid]) * score_scale;
     // Compensation: fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * score_scale for the group's heads.
     if (p.fb != nullptr || comp_digits(p)) {
       const int key = tid % kBN;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const KernelParam
           const float c = __fdiv_rn(dot, head_q_scale(p, b, hq));
           write_digits(p.cd_img + (int64_t(i) * p.num_qo_heads + hq) * kImgCd, key, isnan(c) ? 0 : __float2int_rn(c));
         } else {
-          p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * p.score_scale;
+          p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * score_scale;
         }
       }
     }

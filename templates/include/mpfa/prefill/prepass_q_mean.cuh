@@ -1,8 +1,9 @@
 // Pre-pass for compensation: mu_Q[b, h, :] = mean of request b's chunk rows of query head h (fp32), in two
 // kernels so that the whole GPU streams Q (a long chunk's Q is hundreds of MB):
 //   q_sum_kernel, grid (row blocks, batch): sums kMuRows rows of all heads (16-byte loads along the
-//     contiguous [Hq, D] row) into part[block, b, Hq, D];
-//   q_mean_kernel, grid (batch, Hq): adds the blocks in a fixed order (the result does not depend on the grid).
+//     contiguous [Hq, D] row) into p.mu_part[block, b, Hq, D];
+//   q_mean_kernel, grid (batch, Hq): adds the p.mu_blocks blocks in a fixed order into p.mu (the result does not
+//     depend on the grid).
 // comp_mma builds (p.q_head; qk4pv8's served one) also need one INT8 Q scale per (request, head): q_mean_kernel writes
 // |mu_Q|_1 and zeroes the amax, then q_amax_kernel, grid (row blocks, batch), takes the amax of Q - mu_Q.
 #pragma once
@@ -13,7 +14,7 @@
 
 namespace {
 
-__global__ void __launch_bounds__(kPackThreads) q_sum_kernel(const KernelParams p, float* part) {
+__global__ void __launch_bounds__(kPackThreads) q_sum_kernel(const PrefillParams p) {
   const int x = blockIdx.x, b = blockIdx.y, batch = gridDim.y;
   const int q0 = p.qo_indptr[b], n = p.qo_indptr[b + 1] - q0;
   const int r0 = x * kMuRows, r1 = min(n, r0 + kMuRows);
@@ -39,21 +40,20 @@ __global__ void __launch_bounds__(kPackThreads) q_sum_kernel(const KernelParams 
         }
       }
     }
-    float* dst = part + ((int64_t(x) * batch + b) * p.num_qo_heads + h) * kHeadDim + ch;
+    float* dst = p.mu_part + ((int64_t(x) * batch + b) * p.num_qo_heads + h) * kHeadDim + ch;
     *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
 }
 
-__global__ void __launch_bounds__(kHeadDim) q_mean_kernel(const KernelParams p, const float* part, int blocks,
-                                                          float* mu_out) {
+__global__ void __launch_bounds__(kHeadDim) q_mean_kernel(const PrefillParams p) {
   const int b = blockIdx.x, h = blockIdx.y, batch = gridDim.x, d = threadIdx.x;
   const int n = p.qo_indptr[b + 1] - p.qo_indptr[b];
-  const int used = min(blocks, (n + kMuRows - 1) / kMuRows);
+  const int used = min(p.mu_blocks, (n + kMuRows - 1) / kMuRows);
   float t = 0.f;
-  for (int x = 0; x < used; ++x) t += part[((int64_t(x) * batch + b) * p.num_qo_heads + h) * kHeadDim + d];
+  for (int x = 0; x < used; ++x) t += p.mu_part[((int64_t(x) * batch + b) * p.num_qo_heads + h) * kHeadDim + d];
   const float mu = n > 0 ? t / float(n) : 0.f;
-  mu_out[(int64_t(b) * p.num_qo_heads + h) * kHeadDim + d] = mu;
+  p.mu[(int64_t(b) * p.num_qo_heads + h) * kHeadDim + d] = mu;
   if (p.q_head != nullptr) {
     __shared__ float warp_l1[kHeadDim / 32];
     float l1 = fabsf(mu);
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kHeadDim) q_mean_kernel(const KernelParams p, 
 
 // amax over request b's rows r0.. of |Q - mu_Q| per head into q_head[b, h, 0] (atomicMax on the bits of a
 // non-negative float; a NaN's bits are above every finite one, so a NaN wins as mpfa::max_nan would).
-__global__ void __launch_bounds__(kPackThreads) q_amax_kernel(const KernelParams p) {
+__global__ void __launch_bounds__(kPackThreads) q_amax_kernel(const PrefillParams p) {
   const int x = blockIdx.x, b = blockIdx.y;
   const int q0 = p.qo_indptr[b], n = p.qo_indptr[b + 1] - q0;
   const int r0 = x * kMuRows, r1 = min(n, r0 + kMuRows);

@@ -40,7 +40,7 @@ __device__ __forceinline__ void init_ring(const Ring& ring) {
 }
 
 // The producer thread's whole work: every KV tile of the CTA's item, in the order the consumers take them.
-__device__ __forceinline__ void produce(const KernelParams& p, const Item& it, const Ring& ring) {
+__device__ __forceinline__ void produce(const PrefillParams& p, const Item& it, const Ring& ring) {
   const int nh = p.num_qo_heads;
   const int b = it.b, hq = it.hq, hk = it.hk, n_tiles = it.n_tiles;
   const int kvt0 = p.kv_tile_base[b];

@@ -18,7 +18,7 @@ namespace {
 
 // Writes item `it`'s Q tile at kOffQ of smem and returns the scale of the thread's scale tile (1 for bf16).
 // ct: the thread's index among the consumers, cw its warp's; red: one float per consumer warp of scratch.
-__device__ __forceinline__ float load_q(const KernelParams& p, const Item& it, uint8_t* smem, float* red, int ct,
+__device__ __forceinline__ float load_q(const PrefillParams& p, const Item& it, uint8_t* smem, float* red, int ct,
                                         int cw, int lane) {
   constexpr int kQChunks = kHeadDim / 8;             // 8 channels (16 bf16 bytes) per unit
   constexpr int kQUnits = kQScaleRows * kQChunks / kQScaleThreads;   // units per consumer thread

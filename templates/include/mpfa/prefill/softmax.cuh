@@ -42,7 +42,7 @@ struct MaskRows {
 };
 
 // Without compensation the softmax adds fb = 0 rather than branching: every stage's fb vector is zeroed once.
-__device__ __forceinline__ void zero_fb(const KernelParams& p, uint8_t* smem, int ct) {
+__device__ __forceinline__ void zero_fb(const PrefillParams& p, uint8_t* smem, int ct) {
   if (kQuant && p.fb == nullptr) {
     float* fb_all = reinterpret_cast<float*>(smem + kOffFb);
     for (int i = ct; i < kStages * kBN; i += kConsumers) fb_all[i] = 0.f;
@@ -50,7 +50,7 @@ __device__ __forceinline__ void zero_fb(const KernelParams& p, uint8_t* smem, in
 }
 
 // Masks the thread's scores of keys past the request's length or, causal, past each row's diagonal with `value`.
-__device__ __forceinline__ void mask_scores(const KernelParams& p, const MaskRows& mr, int key0, float (&sc)[kSRegs],
+__device__ __forceinline__ void mask_scores(const PrefillParams& p, const MaskRows& mr, int key0, float (&sc)[kSRegs],
                                             float value) {
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {
@@ -107,7 +107,7 @@ __device__ __forceinline__ float advance_max(SoftmaxRows& st, float (&corr)[2], 
 // argument fma(kRoundMagic, a, c) is kLog2P exactly: P and l agree on the row's largest term as the
 // reference's do. (Taking the maxima on kRoundMagic + S instead leaves c = kLog2P - x_max * a rounded to the
 // ulp of kRoundMagic * a, ~a, and a row dominated by one key off by that: 3.4e-3 rel-L2 on the H200 tests.)
-__device__ __forceinline__ void softmax_max_raw(const KernelParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
+__device__ __forceinline__ void softmax_max_raw(const PrefillParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
                                                 float (&corr)[2], bool need_mask, int key0, const MaskRows& mr) {
   constexpr int kMasked = INT_MIN;
   if (need_mask) mask_scores(p, mr, key0, sc, __int_as_float(kMasked));
@@ -135,9 +135,10 @@ __device__ __forceinline__ void softmax_max_raw(const KernelParams& p, float (&s
   }
 }
 
-// Phase 1 for the tile of keys key0.. in ring stage s (its fa / fb vectors); sq: the Q tile's scale.
-__device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
-                                            float (&corr)[2], const uint8_t* smem, int s, int key0,
+// Phase 1 for the tile of keys key0.. in ring stage s (its fa / fb vectors); sq: the Q tile's scale; score_scale
+// (bf16): sm_scale * log2(e).
+__device__ __forceinline__ void softmax_max(const PrefillParams& p, float score_scale, float (&sc)[kSRegs],
+                                            SoftmaxRows& st, float (&corr)[2], const uint8_t* smem, int s, int key0,
                                             const MaskRows& mr, float sq) {
   const int c = mr.c;
   const bool need_mask = key0 + kBN > mr.kv_len || (p.causal && key0 + kBN - 1 > mr.wg_first_row + mr.diag);
@@ -187,7 +188,7 @@ __device__ __forceinline__ void softmax_max(const KernelParams& p, float (&sc)[k
       }
     } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[4 * j + e] *= p.score_scale;
+      for (int e = 0; e < 4; ++e) sc[4 * j + e] *= score_scale;
     }
   }
   // Only the tiles on the diagonal or past the length pay for the mask (a branch, not predication:

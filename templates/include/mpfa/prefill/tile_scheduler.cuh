@@ -7,7 +7,7 @@
 namespace {
 
 // KV length of request b (its keys are pages page_begin.. of the page table).
-__device__ __forceinline__ int kv_length(const KernelParams& p, int b, int* page_begin) {
+__device__ __forceinline__ int kv_length(const PrefillParams& p, int b, int* page_begin) {
   const int pb = p.kv_indptr[b];
   const int np = p.kv_indptr[b + 1] - pb;
   *page_begin = pb;
@@ -19,7 +19,7 @@ struct Item {
   int hq, hk, b, row0, qo_start, rows, kv_len, diag, n_tiles;
 };
 
-__device__ __forceinline__ Item item_at(const KernelParams& p, int item) {
+__device__ __forceinline__ Item item_at(const PrefillParams& p, int item) {
   Item it;
   const int nh = p.num_qo_heads;
   const int tile = item / nh;
