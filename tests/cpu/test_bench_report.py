@@ -488,43 +488,6 @@ def test_shared_annotate_and_ceiling_touch_only_what_was_measured():
 
 # ---------------------------------------------------------------- structure
 
-def _imports(path: Path, package: str) -> set[str]:
-    """The modules of ``package`` that the file at ``path`` imports anywhere (a function-level import too)."""
-    import ast
-    module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)
-    return {m for m in found if m == package or m.startswith(package + ".")} - {module}
-
-
-def test_benchmarks_have_no_import_circle():
-    files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (REPO / "benchmarks").rglob("*.py")}
-    graph = {m: _imports(p, "benchmarks") & files.keys() for m, p in files.items()}
-    circles = []
-    for start in graph:   # a path from a module's imports back to the module is a circle
-        seen, todo = set(), list(graph[start])
-        while todo:
-            m = todo.pop()
-            if m == start:
-                circles.append(start)
-                break
-            if m not in seen:
-                seen.add(m)
-                todo.extend(graph[m])
-    assert circles == [], f"modules on an import circle: {circles}"
-
-
-
 def test_gpu_arch_reads_nvidia_smi_without_a_cuda_context(monkeypatch):
     from benchmarks import meta
     answers = {"9.0": "sm_90a", "9.0\n9.0": "sm_90a", "10.0": "sm_100a", None: None, "": None, "N/A": None}
