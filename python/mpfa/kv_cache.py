@@ -131,8 +131,7 @@ class PagedKVCache:
     def _check_fits(self) -> None:
         """Refuse, before allocating, a cache larger than the device can hold (torch's own failure names neither
         the argument nor the size, and a CPU allocation may succeed lazily and fail later as it is zeroed)."""
-        per_slot = sum((1 if f.per_row == "1" else f.numel(self.head_dim)) * _DTYPES[f.dtype].itemsize
-                       for f in self.recipe.fields)
+        per_slot = self.bytes_per_token_head
         scales = 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4   # mu_k, v_scale (float32)
         need = self.num_layers * self.num_pages * self.page_size * self.num_kv_heads * per_slot + scales
         have = _device_capacity(self.device)
@@ -248,7 +247,7 @@ def _check_device(device) -> torch.device:
     """``device`` as a torch.device with its index, or ValueError naming it when this torch cannot use it."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError):
         raise ValueError(f"device must be a torch device such as 'cuda', 'cuda:1' or 'cpu', got {device!r}") from None
     if dev.type != "cuda":
         return dev
