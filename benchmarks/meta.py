@@ -59,6 +59,12 @@ def driver_version() -> str | None:
         return None
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name (``NVIDIA H200``) from nvidia-smi, or None; like gpu_arch, no CUDA context."""
+    out = _run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
+    return out.splitlines()[0].strip() if out else None
+
+
 def gpu_arch() -> str | None:
     """The first GPU's build target (``sm_90a`` on the H200) from nvidia-smi, or None: unlike asking torch,
     this opens no CUDA context in the caller, whose memory a server started next would not get."""

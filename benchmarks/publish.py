@@ -20,11 +20,10 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
-from benchmarks import results_io
+from benchmarks import meta as bench_meta, results_io
 
 RESULTS_DIR = results_io.RESULTS_DIR
 SCRATCH_DIR = RESULTS_DIR / "scratch"
@@ -80,18 +79,6 @@ def destination(ap: argparse.ArgumentParser, out: Path | None, publish: bool, *,
     return Path(out)
 
 
-def gpu_name() -> str | None:
-    """The first GPU's name (``NVIDIA H200``) from nvidia-smi, or None: it opens no CUDA context, so a server
-    started next gets all the memory."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    return lines[0].strip() if lines else None
-
-
 def named_gpu(relpath: str, target: Path, published: Path = RESULTS_DIR) -> str | None:
     """``meta.gpu`` of the results file a publish would replace: ``target/relpath``, else the committed one
     (``published/relpath``)."""
@@ -124,7 +111,7 @@ def check_machine(relpaths: list[str], target: Path, *, need_sglang: bool = Fals
     """Raise Refused unless this machine may publish ``relpaths`` (results files, relative to ``target``; the
     committed ones relative to ``published``). ``found``: the GPU's name as the caller's meta records it (torch's),
     else nvidia-smi's."""
-    found = found or gpu_name()
+    found = found or bench_meta.gpu_name()
     named = {rel: named_gpu(rel, target, published) for rel in relpaths}
     have_sglang = importlib.util.find_spec("sglang") is not None if need_sglang else True
     why = machine_refusal(found, named, need_sglang=need_sglang, have_sglang=have_sglang, need_gpu=need_gpu)

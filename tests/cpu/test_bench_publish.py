@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import publish, report, results_io
+from benchmarks import meta as bench_meta, publish, report, results_io
 from benchmarks.e2e import merge_results, results
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def untouched():
 
 
 def _sglang_server_could_start() -> bool:
-    return importlib.util.find_spec("sglang") is not None and publish.gpu_name() is not None
+    return importlib.util.find_spec("sglang") is not None and bench_meta.gpu_name() is not None
 
 
 E2E_ARGS = ("benchmarks.e2e.throughput", "--configs", "flashinfer-bf16", "--input-len", "256", "--output-len", "16",
