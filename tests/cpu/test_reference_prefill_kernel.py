@@ -259,11 +259,11 @@ def _cuda_like_fdiv(a, b):
 
 def test_model_divisions_are_correctly_rounded():
     import numpy as np
-    from mpfa.reference import prefill_kernel as pk
+    from mpfa.recipes.fp8 import fdiv
     x = torch.rand(100000, generator=_gen(3)) * 200
     want = torch.from_numpy(x.numpy() / np.float32(127))
-    assert torch.equal(pk._fdiv(x, 127.0), want)
-    assert torch.equal(pk._fdiv(x, torch.full_like(x, 127.0)), want)
+    assert torch.equal(fdiv(x, 127.0), want)
+    assert torch.equal(fdiv(x, torch.full_like(x, 127.0)), want)
     assert (_cuda_like_fdiv(x, 127.0) != want).float().mean() > 0.01   # the shortcut is off often enough to matter
 
 
@@ -279,13 +279,14 @@ def _one_key(sq_div=None):
     k_int = torch.randint(-127, 128, (1, 1, 64), generator=gen, dtype=torch.int8)
     k_scale = torch.tensor([[0.0787]], dtype=torch.float32)
     v = torch.randn(1, 1, 64, generator=gen, dtype=torch.float64)
-    saved = pk._fdiv
+    from mpfa.recipes import fp8   # the Q scale's division (row_scale -> amax_scale -> fdiv)
+    saved = fp8.fdiv
     if sq_div is not None:
-        pk._fdiv = sq_div
+        fp8.fdiv = sq_div
     try:
         model = prefill_kernel_attention(q, (k_int, k_scale), v, recipe="qk8pv8", causal=False, compensation=False)
     finally:
-        pk._fdiv = saved
+        fp8.fdiv = saved
     f32 = np.float32
     x = q.float().numpy()[0, 0]
     amax = f32(np.abs(x).max())
@@ -343,21 +344,21 @@ def test_a_q_scale_an_ulp_off_moves_lse_by_the_offsets_quantum_not_the_output():
                                                                 gen, device="cpu")
     q = batches.make_bf16_rows(int(qo[-1]), 2 * g, d, gen, device="cpu")
     from mpfa.reference import batch_prefill_kernel_attention
-    from mpfa.reference import prefill_kernel as pk
+    from mpfa.recipes import fp8   # the Q scale's division (row_scale -> amax_scale -> fdiv)
     runs = {}
-    for name, div in (("ieee", pk._fdiv), ("shortcut", _cuda_like_fdiv)):
-        saved, pk._fdiv = pk._fdiv, div
+    for name, div in (("ieee", fp8.fdiv), ("shortcut", _cuda_like_fdiv)):
+        saved, fp8.fdiv = fp8.fdiv, div
         try:
             runs[name] = batch_prefill_kernel_attention(q, qo, layer, indptr, indices, last, causal=True,
                                                         compensation=False, **_served(recipe))
         finally:
-            pk._fdiv = saved
+            fp8.fdiv = saved
     moved_any = False
     for b in _requests_with_rows(qo):
         rows = slice(int(qo[b]), int(qo[b + 1]))
         x = q[rows].float()
         tiles = torch.stack([t.abs().amax(dim=(0, 2)) for t in x.split(64)])          # [tiles, H]
-        scale_differs = pk._fdiv(tiles, 127.0) != _cuda_like_fdiv(tiles, 127.0)
+        scale_differs = fp8.fdiv(tiles, 127.0) != _cuda_like_fdiv(tiles, 127.0)
         diff = (runs["ieee"].lse[rows] - runs["shortcut"].lse[rows]).abs()             # [rows, H]
         tile_of_row = torch.arange(diff.shape[0]) // 64
         moved = diff > 1e-6

@@ -42,10 +42,18 @@ def as_e4m3(q: torch.Tensor) -> torch.Tensor:
     return q.view(E4M3_DTYPE) if q.dtype == torch.uint8 else q
 
 
+def fdiv(a: torch.Tensor, b) -> torch.Tensor:
+    """``a / b`` in float32 as the kernels divide (IEEE, correctly rounded) on any device: the quotient in float64,
+    then one rounding to float32 (innocuous for a quotient of float32 values: 53 >= 2 * 24 + 2). Not ``a / b`` with
+    a Python number ``b``: on CUDA PyTorch computes that as ``a * fl(1 / b)``, an ulp off for ~5% of quotients."""
+    b64 = torch.as_tensor(b, device=a.device).to(torch.float64)
+    return (a.to(torch.float64) / b64).to(torch.float32)
+
+
 def amax_scale(amax: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:
     """The scale that maps ``amax`` to ``target``; an all-zero group gets scale 1 so 0/scale stays 0."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / target, torch.ones_like(amax))
+    return torch.where(amax > 0, fdiv(amax, target), torch.ones_like(amax))
 
 
 def row_scale(amax: torch.Tensor, target: float = E4M3_MAX) -> torch.Tensor:

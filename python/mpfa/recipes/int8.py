@@ -72,7 +72,7 @@ import torch
 from mpfa_jit.formats import (BLOCK_SCALE_MAX, COMP_DIGIT_LIMIT, COMP_DIGIT_WEIGHTS, COMP_DIGITS, COMP_SCALE_DIVISOR,
                               I4RS_BLOCK, INT4_MAX, INT8_MAX, Q_TILE)
 
-from .fp8 import row_scale
+from .fp8 import fdiv, row_scale
 
 I4RS_TARGET = INT4_MAX * BLOCK_SCALE_MAX
 I4RS_BLOCKS = (16, 8)                # I4RS_BLOCK is the recipe's; 8 is a study option
@@ -169,7 +169,7 @@ def comp_digits_q_scale(amax: torch.Tensor, mu_l1: torch.Tensor) -> torch.Tensor
     the floor, so its terms keep ~19 bits), 1 if both are 0, NaN if amax or |mu_Q|_1 is not finite."""
     amax = amax.float()
     s = torch.where(amax == 0, torch.zeros_like(amax), row_scale(amax, INT8_MAX))
-    floor = (INT8_MAX * mu_l1.float()) / COMP_SCALE_DIVISOR
+    floor = fdiv(INT8_MAX * mu_l1.float(), COMP_SCALE_DIVISOR)
     sq = torch.maximum(s, floor)
     sq = torch.where(sq == 0, torch.ones_like(sq), sq)
     return torch.where(torch.isnan(s) | ~torch.isfinite(floor), torch.full_like(s, float("nan")), sq)

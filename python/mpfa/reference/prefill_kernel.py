@@ -19,7 +19,7 @@ would otherwise hide:
   order, then / n; comp_mma's |mu_Q|_1: a warp butterfly per 32 channels, then the warps in order.
   With mu_Q bit-equal, INT8 Q is byte-equal (mpfa.recipes.int8 is the kernel's quantizer).
 * the kernel's fp32 divisions (mu_Q = t / n, the Q scale amax / 127, comp_mma's floor 127 |mu_Q|_1 / divisor, the
-  terms dot / sq) are IEEE divisions, correctly rounded: :func:`_fdiv` does them so on any device. (PyTorch on CUDA
+  terms dot / sq) are IEEE divisions, correctly rounded: :func:`mpfa.recipes.fp8.fdiv` does them so on any device. (PyTorch on CUDA
   divides by a Python number as a * fl(1 / b), off by an ulp for ~5% of quotients; a Q scale an ulp off moves every
   per-key score of its 64-row tile by a multiple of the ulp of kRoundMagic * a (the offset fma(-kRoundMagic, a, fb)
   rounds to it: 2^-8 .. 2^-5 in log2 units at the tests' scales), which left the outputs alone but moved whole
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from ..recipes import get_recipe
-from ..recipes.fp8 import E4M3_DTYPE, E4M3_MAX, P_SCALE, as_e4m3
-from ..recipes.int8 import COMP_SCALE_DIVISOR, INT8_MAX, Q_TILE, requantize_k_tile
+from ..recipes.fp8 import E4M3_DTYPE, E4M3_MAX, P_SCALE, as_e4m3, fdiv, row_scale
+from ..recipes.int8 import INT8_MAX, Q_TILE, comp_digits_q_scale, requantize_k_tile
 from .attention import gather_pages, request_kv_lengths
 
 KV_TILE = 128        # keys per tile of the main loop (mpfa_jit/ops/prefill.py KV_TILE)
@@ -91,38 +91,9 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(_F32).to(_F64)
 
 
-def _fdiv(a: torch.Tensor, b) -> torch.Tensor:
-    """``a / b`` as the kernel's fp32 division (IEEE, correctly rounded), float32, on any device: the quotient in
-    float64 of tensors on ``a``'s device, then one rounding to float32 (the double rounding is innocuous for a
-    quotient of float32 values: 53 >= 2 * 24 + 2). Not ``a / b`` with a Python number ``b``: on CUDA PyTorch
-    computes that as ``a * (1 / b)``, an ulp off for ~5% of quotients."""
-    a64 = a.to(_F64)
-    b64 = torch.as_tensor(b, device=a.device).to(_F64)
-    return (a64 / b64).to(_F32)
-
-
-def _q_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The INT8 Q scale of amax (q_tile.cuh load_q: mpfa::amax_scale_or_nan(amax, 127), correctly rounded): 1 for
-    amax 0, NaN for a non-finite amax (mpfa.recipes.fp8.row_scale's rules)."""
-    amax = amax.to(_F32)
-    s = torch.where(amax > 0, _fdiv(amax, float(INT8_MAX)), torch.ones_like(amax))
-    return torch.where(torch.isfinite(amax), s, torch.full_like(amax, math.nan))
-
-
-def _comp_digits_q_scale(amax: torch.Tensor, mu_l1: torch.Tensor) -> torch.Tensor:
-    """mpfa.recipes.int8.comp_digits_q_scale with the kernel's divisions (kernel_traits.cuh head_q_scale:
-    amax / 127 and __fdiv_rn(127 * |mu_Q|_1, kCompScaleDivisor), both correctly rounded)."""
-    amax = amax.to(_F32)
-    s = torch.where(amax == 0, torch.zeros_like(amax), _q_scale(amax))
-    floor = _fdiv((INT8_MAX * mu_l1.to(_F32)).to(_F32), COMP_SCALE_DIVISOR)
-    sq = torch.maximum(s, floor)
-    sq = torch.where(sq == 0, torch.ones_like(sq), sq)
-    return torch.where(torch.isnan(s) | ~torch.isfinite(floor), torch.full_like(s, math.nan), sq)
-
-
 def _quantize_q(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """load_q's INT8 bytes as float64: rni(x * fl(1 / s)) (__frcp_rn, then one fp32 multiply; |.| <= 127)."""
-    inv = _fdiv(torch.ones_like(s, dtype=_F32), s)
+    inv = fdiv(torch.ones_like(s, dtype=_F32), s)
     return torch.round(x.to(_F32) * inv).clamp(-INT8_MAX, INT8_MAX).to(_F64)
 
 
@@ -140,7 +111,7 @@ def kernel_q_mean(q: torch.Tensor) -> torch.Tensor:
         for r in range(r0, min(n, r0 + MU_ROWS)):
             acc = acc + qf[r]
         total = total + acc
-    return _fdiv(total, float(n))   # q_mean_kernel: t / float(n), an IEEE division
+    return fdiv(total, float(n))   # q_mean_kernel: t / float(n), an IEEE division
 
 
 def kernel_mu_l1(mu: torch.Tensor) -> torch.Tensor:
@@ -179,7 +150,7 @@ def _expand(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
 def _quantized_q(q, compensation, comp_digits, q_tile, mu):
     """(INT8 Q [n, H, D] as float64, the scale each row's scores take [H, n] float64, mu_Q [H, D] float32):
     load_q of q_tile.cuh. Per q_tile rows: amax / 127 (an all-zero tile stores zeros and scores with 0);
-    comp_mma with compensation: one scale per head (_comp_digits_q_scale on the kernel's |mu_Q|_1)."""
+    comp_mma with compensation: one scale per head (mpfa.recipes.int8.comp_digits_q_scale on the kernel's |mu_Q|_1)."""
     n, heads, d = q.shape
     qf = q.to(_F32)
     if mu is None:
@@ -189,7 +160,7 @@ def _quantized_q(q, compensation, comp_digits, q_tile, mu):
     sq = torch.empty((heads, n), dtype=_F64, device=q.device)
     if comp_digits and compensation:
         amax = x.abs().amax(dim=(0, 2)) if n else x.new_zeros(heads)
-        s = _comp_digits_q_scale(amax, kernel_mu_l1(mu))
+        s = comp_digits_q_scale(amax, kernel_mu_l1(mu))
         for h in range(heads):
             q8[:, h] = _quantize_q(x[:, h], s[h])
             sq[h] = s[h].to(_F64)
@@ -197,7 +168,7 @@ def _quantized_q(q, compensation, comp_digits, q_tile, mu):
     for t0 in range(0, n, q_tile):
         rows = slice(t0, min(n, t0 + q_tile))
         amax = x[rows].abs().amax(dim=(0, 2))                 # [H]
-        s = _q_scale(amax)                                     # 1 for an all-zero tile
+        s = row_scale(amax, INT8_MAX)                                     # 1 for an all-zero tile
         q8[rows] = _quantize_q(x[rows], s.view(1, heads, 1))
         sq[:, rows] = torch.where(amax == 0, torch.zeros_like(s), s).to(_F64).unsqueeze(-1)
     return q8, sq, mu
@@ -313,7 +284,7 @@ def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float |
         dot = _fp32_dot_chain(mu, kint_h) if compensation else None
         s_int = torch.einsum("qhd,hkd->hqk", q8, kint_h)                     # exact: |S| < 2^22
         if digits:   # C_j = rni(fp32(dot / sq)), added by the MMA's extra k-step
-            c = torch.round(_fdiv(dot.to(_F32), sq[:, :1].to(_F32)).to(_F64))
+            c = torch.round(fdiv(dot.to(_F32), sq[:, :1].to(_F32)).to(_F64))
             s_int = s_int + c.unsqueeze(1)
         visible = _visible(n, m, causal, device)
         sq3 = sq.unsqueeze(-1)                                                # [H, n, 1]
