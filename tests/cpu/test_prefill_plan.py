@@ -87,7 +87,8 @@ def test_render_substitutes_parameters():
     src = prefill_op.spec(recipe="qk8pv8", head_dim=64, page_size=32, arch=ARCH).render()
     assert "mpfa::Recipe::kQk8pv8;" in src and "constexpr int kPageSize = 32;" in src
     assert "constexpr int kHeadDim = 64;" in src
-    assert "static_assert(Layout::k_scale_bytes == 4," in src    # the cache layout check is rendered
+    # the cache row's widths from the Field table: k, k8, k_block_scale, k_scale, v
+    assert "using Layout = mpfa::CacheLayout<kRecipe, kHeadDim, 64, 0, 0, 4, 64>;" in src
 
 
 def test_tile_schedule_covers_every_row_once_longest_first():

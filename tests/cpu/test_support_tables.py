@@ -11,7 +11,8 @@ from mpfa.recipes import RECIPES as RECIPE_TABLE
 from mpfa.sglang import model, settings
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import OPS, append_kv, decode, prefill, support
-from mpfa_jit.ops.layout import layout_context
+from mpfa_jit.formats import Field, Recipe
+from mpfa_jit.ops.layout import LAYOUT_FIELDS, layout_args, layout_context
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = "sm_90a"
@@ -29,6 +30,20 @@ def test_every_recipe_has_a_kernel_layout(recipe):
         assert recipe in op.RECIPES
         for d in op.HEAD_DIMS:
             assert sum(n for _, n in layout_context(recipe, d)["cache_fields"]) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
+            assert sum(layout_args(recipe, d)) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
+
+
+def test_the_kernels_cache_row_is_rendered_from_the_field_table():
+    """mpfa::CacheLayout takes its widths as arguments, in LAYOUT_FIELDS' order, from the Field table; a field the
+    C++ side has no name for is refused at render time, naming it."""
+    enum = (ROOT / "templates" / "include" / "mpfa" / "cache_layout.cuh").read_text()
+    params = re.search(r"template <Recipe R, int HeadDim, ([^>]*)>\s*struct CacheLayout", enum).group(1)
+    assert [re.sub(r"Bytes$", "", p.split()[1]) for p in params.split(", ")] == [
+        "".join(w.capitalize() for w in f.split("_")) for f in LAYOUT_FIELDS]
+    assert layout_args("qk4pv8", 128) == (32, 64, 4, 4, 128) and layout_args("bf16", 64) == (128, 0, 0, 0, 128)
+    odd = Recipe("odd", "int8", "int8", "e4m3", (Field("k", "int8", "D"), Field("k_zero", "int8", "1")))
+    with pytest.raises(ValueError, match=r"cache fields \['k_zero'\] that mpfa::CacheLayout does not name"):
+        layout_args(odd, 128)
 
 
 def test_every_op_is_built_for_the_same_head_dims_and_page_sizes():

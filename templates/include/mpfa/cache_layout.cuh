@@ -1,7 +1,7 @@
 // The paged KV cache's byte layout per recipe, as every kernel (append, decode, prefill) reads and
-// writes it. The definition is the Field table of python/mpfa/recipes/recipe.py: each kernel template
-// renders that table's row widths into static_asserts against CacheLayout (templates/
-// cache_layout_check.jinja), so a kernel built against a different layout does not compile.
+// writes it. The row widths are not computed here: each kernel template renders them from the one
+// definition, the Field table of mpfa_jit/formats.py (templates/cache_layout_check.jinja), as the
+// arguments of CacheLayout; this header keeps the field names, their order and what each recipe stores.
 //
 // Every per-token field is [num_pages, num_kv_heads, page_size, row] ("HND" pages: one page of one
 // head is one contiguous run); slot s is token s % page_size of page s / page_size.
@@ -26,24 +26,30 @@ struct RecipeTraits {
   static constexpr bool kSplitK = R == Recipe::kQk4pv8;
 };
 
-// Bytes per (token, head) row of each field; 0 where the recipe has no such field.
-template <Recipe R, int HeadDim>
+// Bytes per (token, head) row of each field, in the Field table's names; 0 where the recipe has no such field.
+//   k: bf16 / INT8 values of the whole row, or qk4pv8's packed INT4 nibbles of the high-frequency half;
+//   k8: qk4pv8's INT8 bytes of the low-frequency half;
+//   k_block_scale: qk4pv8's integer block scales (1..18), one per 16 nibble channels, at least 4 bytes so that
+//     every row is one 4-byte copy or more;
+//   k_scale: one FP32 scale per (token, head);
+//   v: bf16 or E4M3 values, token-major like K (the prefill's pre-pass transposes V tiles for its MMA).
+template <Recipe R, int HeadDim, int KBytes, int K8Bytes, int KBlockScaleBytes, int KScaleBytes, int VBytes>
 struct CacheLayout : RecipeTraits<R> {
   using Traits = RecipeTraits<R>;
   static constexpr int kHeadDim = HeadDim;
-  // "k": bf16 / INT8 values of the whole row, or qk4pv8's packed INT4 nibbles of the high-frequency half.
-  static constexpr int k_bytes = R == Recipe::kBf16 ? 2 * HeadDim : (R == Recipe::kQk8pv8 ? HeadDim : HeadDim / 4);
-  // "k8": qk4pv8's INT8 bytes of the low-frequency half.
-  static constexpr int k8_bytes = Traits::kSplitK ? HeadDim / 2 : 0;
-  // "k_block_scale": qk4pv8's integer block scales (1..18), one per 16 nibble channels, padded to 4 bytes so every
-  // row is at least one 4-byte copy (head_dim 64 has 2 scales and 2 bytes of zeros).
-  static constexpr int k_block_scale_bytes = Traits::kSplitK ? (HeadDim / 32 > 4 ? HeadDim / 32 : 4) : 0;
-  // "k_scale": one FP32 scale per (token, head).
-  static constexpr int k_scale_bytes = Traits::kQuantK ? 4 : 0;
-  // "v": bf16 or E4M3 values, token-major like K (the prefill's pre-pass transposes V tiles for its MMA).
-  static constexpr int v_bytes = Traits::kQuantV ? HeadDim : 2 * HeadDim;
+  static constexpr int k_bytes = KBytes;
+  static constexpr int k8_bytes = K8Bytes;
+  static constexpr int k_block_scale_bytes = KBlockScaleBytes;
+  static constexpr int k_scale_bytes = KScaleBytes;
+  static constexpr int v_bytes = VBytes;
   // What one token of one KV head stores in all: recipe.bytes_per_token_head(head_dim).
   static constexpr int kRowBytes = k_bytes + k8_bytes + k_block_scale_bytes + k_scale_bytes + v_bytes;
+  // The kernels' reads assume these of a recipe's fields.
+  static_assert(k_bytes > 0 && v_bytes > 0, "every recipe stores K and V");
+  static_assert((k_scale_bytes == sizeof(float)) == Traits::kQuantK, "quantized K has one FP32 scale per row");
+  static_assert((k8_bytes > 0) == Traits::kSplitK && (k_block_scale_bytes > 0) == Traits::kSplitK,
+                "split K stores k8 and k_block_scale; no other recipe does");
+  static_assert(v_bytes == (Traits::kQuantV ? 1 : 2) * HeadDim, "V holds one E4M3 or bf16 value per channel");
 };
 
 }  // namespace mpfa

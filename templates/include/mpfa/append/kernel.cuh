@@ -27,11 +27,12 @@ __device__ __forceinline__ void count_bad_slots(const AppendParams& p) {
   if (bad != 0) atomicAdd(p.bad_slots, bad);
 }
 
-template <Recipe R, int HeadDim, int PageSize>
-__global__ void __launch_bounds__(kThreads, (Schedule<R, HeadDim>::kMinBlocksPerSm))
+// L: the build's cache row (mpfa::CacheLayout, rendered from the recipe's Field table).
+template <class L, int PageSize>
+__global__ void __launch_bounds__(kThreads, (Schedule<L::kRecipe, L::kHeadDim>::kMinBlocksPerSm))
 append_kv_kernel(const AppendParams p) {
-  using S = Schedule<R, HeadDim>;
-  using L = CacheLayout<R, HeadDim>;
+  using S = Schedule<L::kRecipe, L::kHeadDim>;
+  constexpr int HeadDim = L::kHeadDim;
   static_assert(L::k_scale_bytes == 0 || L::k_scale_bytes == sizeof(float), "k_scale holds one float per row");
   const Lane me = lane_of<S>(threadIdx.x);
   const int h = blockIdx.y;   // one KV head per grid row: its fixed scales load once per thread
@@ -83,15 +84,15 @@ append_kv_kernel(const AppendParams p) {
   }
 }
 
-template <Recipe R, int HeadDim, int PageSize>
+template <class L, int PageSize>
 inline cudaError_t launch(const AppendParams& p, int device, cudaStream_t stream) {
   cudaError_t err = set_device(device);
   if (err != cudaSuccess) return err;
   if (p.num_tokens == 0) return cudaSuccess;
   if (p.num_tokens < 0 || p.num_slots < 0 || p.num_kv_heads <= 0 || p.num_kv_heads > 65535 || p.bad_slots == nullptr)
     return cudaErrorInvalidValue;
-  const dim3 grid = append::grid<Schedule<R, HeadDim>>(p.num_tokens, p.num_kv_heads, device);
-  append_kv_kernel<R, HeadDim, PageSize><<<grid, kThreads, 0, stream>>>(p);
+  const dim3 grid = append::grid<Schedule<L::kRecipe, L::kHeadDim>>(p.num_tokens, p.num_kv_heads, device);
+  append_kv_kernel<L, PageSize><<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
