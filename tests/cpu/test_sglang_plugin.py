@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mpfa.sglang import compat, launch as L, model as M, settings as S
-from mpfa.sglang.page_table import build_page_table, page_table_capacity
+from mpfa.sglang.page_table import KVLayoutError, build_page_table, check_extend_slots, page_table_capacity
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "server_configs"
@@ -420,6 +420,38 @@ def test_page_table(page_size):
     assert x2.data_ptr() == bufs["indices_out"].data_ptr()
     assert x2[: int(i2[-1])].tolist() == expect[0] + expect[1]
     assert bufs["indptr_out"][3:].tolist() == [-7] * 6
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_extend_slots_off_the_paged_layout_are_refused_by_name(page_size):
+    """SGLang's paged allocator puts token p of a request at offset p % page_size of its page; an extend batch
+    whose new tokens sit elsewhere (the attention kit's non_monotonic_extend layout) is refused with the token,
+    its slot and where the kernels would read it, instead of giving wrong attention."""
+    gen = torch.Generator().manual_seed(3)
+    r2t = torch.zeros(3, 8 * page_size, dtype=torch.int32)
+    prefix, extend = [page_size + 1, 2], [2 * page_size - 1, page_size + 3]   # ragged, across page boundaries
+    pages = (torch.randperm(16, generator=gen) + 1).tolist()
+    positions, locs, req = [], [], [1, 2]
+    for r, p0, n in zip(req, prefix, extend):
+        mine = [pages.pop() for _ in range(-(-(p0 + n) // page_size))]
+        for t in range(p0 + n):
+            r2t[r, t] = mine[t // page_size] * page_size + t % page_size
+        positions += list(range(p0, p0 + n))
+        locs += [int(r2t[r, t]) for t in range(p0, p0 + n)]
+    args = (torch.tensor(req), torch.tensor(extend), torch.tensor(positions))
+    check_extend_slots(r2t, *args, torch.tensor(locs), page_size)   # the paged layout: accepted
+    check_extend_slots(r2t, *args, torch.tensor(locs[::-1]), 1)      # page size 1: any slot is a page
+    # two new tokens of request 2 swap slots (the allocator's pages, wrong offsets): refused, naming the first
+    bad = list(locs)
+    i, j = len(locs) - 3, len(locs) - 1
+    bad[i], bad[j] = bad[j], bad[i]
+    with pytest.raises(KVLayoutError, match=rf"extend token {i} \(request pool index 2, position {positions[i]}\)"):
+        check_extend_slots(r2t, *args, torch.tensor(bad), page_size)
+    # right offset, wrong page: refused too
+    moved = list(locs)
+    moved[0] = pages[0] * page_size + positions[0] % page_size
+    with pytest.raises(KVLayoutError, match=f"--page-size {page_size}"):
+        check_extend_slots(r2t, *args, torch.tensor(moved), page_size)
 
 
 # --- what needs SGLang ---------------------------------------------------------------------------------------------

@@ -49,14 +49,16 @@ Tolerances (per comparison the kit makes, i.e. each ``torch.testing.assert_close
 A case passes, or is refused with one of mpfa's named errors (``UnsupportedModelError``, ``MpfaConfigError``;
 and the pool's ``TypeError`` "mpfa appends bf16 K/V ..." for float16 K/V, which the kit's TinyModelConfig lets
 through because it has no ``dtype`` for the backend to check), and only where ``check_model_supported`` (or the
-dtype) says mpfa does not serve it: a refusal of a supported case, or a served unsupported one, fails. One known
-layout limitation, as SGLang records for fa3 / fa4 (their ``LAYOUT_KNOWN_FAILURES``): ``non_monotonic_extend``
-with page_size > 1 scatters a request's extend tokens across slot offsets inside its pages, which SGLang's paged
-allocator never does (token p sits at offset p % page_size); mpfa reads a page's slots by position, so such a row
-is ``known-failure`` when it misses the bound (it is still run and its numbers are reported).
+dtype) says mpfa does not serve it: a refusal of a supported case, or a served unsupported one, fails. One layout
+is refused by the backend itself: ``non_monotonic_extend`` with page_size > 1 scatters a request's extend tokens
+across slot offsets inside its pages, which SGLang's paged allocator never does (token p sits at offset
+p % page_size; SGLang records the same layout as a known failure of fa3 / fa4, its ``LAYOUT_KNOWN_FAILURES``).
+mpfa's kernels read a page's slots by position, so the backend checks every extend batch's slots and raises
+``KVLayoutError`` naming the token: such a case passes (a permutation that happens to keep every offset) or is
+refused with that error; wrong output fails.
 
-The case table (case, recipe, head_dim, layout, result = pass / refused(reason) / fail(metric) /
-known-failure(reason), rel-L2, worst row, the kit tolerance verdict) is printed after each test and, when
+The case table (case, recipe, head_dim, layout, result = pass / refused(reason) / fail(metric),
+rel-L2, worst row, the kit tolerance verdict) is printed after each test and, when
 ``MPFA_KIT_TABLE`` names a path, written there as JSON plus a markdown copy (``.md`` beside it; a path ending in
 ``.md`` gets the markdown and the JSON beside it). It is rewritten after every test, so a partial run leaves the
 rows so far.
@@ -76,7 +78,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpfa.sglang import MpfaConfigError, UnsupportedModelError, check_model_supported
+from mpfa.sglang import KVLayoutError, MpfaConfigError, UnsupportedModelError, check_model_supported
 from mpfa.sglang.settings import ENV_RECIPE, ENV_VARS
 
 pytestmark = [pytest.mark.gpu]
@@ -95,9 +97,6 @@ QUANT_BOUNDS = {                           # see the module docstring
     "qk8pv8": {"rel_l2": 0.08, "worst_row_rel_l2": 0.16},
     "qk4pv8": {"rel_l2": 0.15, "worst_row_rel_l2": 0.30},
 }
-LAYOUT_LIMIT = ("non_monotonic_extend with page_size > 1 scatters extend tokens across offsets inside a page, a "
-                "layout SGLang's paged allocator never makes (token p at offset p % page_size); mpfa reads a page's "
-                "slots by position, like fa3/fa4 (SGLang's LAYOUT_KNOWN_FAILURES)")
 
 _ROWS: list[dict] = []
 _META: dict = {}
@@ -254,7 +253,7 @@ class MpfaKit:
         self.comparisons, self._actuals = [], []
         expected_refusal = _expected_refusal(case, self.recipe, head_dim, dtype)
         start = time.perf_counter()
-        result, reason, metric_failure = "pass", "", False
+        result, reason = "pass", ""
         try:
             if graph:
                 self.cgr.run_dense_cuda_graph_decode_case(unittest.TestCase(), case, head_dim=head_dim,
@@ -265,7 +264,7 @@ class MpfaKit:
         except unittest.SkipTest as e:   # the kit skips when the backend factory raises Assertion/ImportError
             result, reason = "fail", f"the kit skipped the case (backend unavailable): {e}"
         except AssertionError as e:
-            result, reason, metric_failure = "fail", _one_line(e), True
+            result, reason = "fail", _one_line(e)
         except Exception as e:
             if _is_mpfa_refusal(e):
                 result, reason = "refused", f"{type(e).__name__}: {_one_line(e)}"
@@ -277,12 +276,13 @@ class MpfaKit:
             if result != "fail":
                 result, reason = "fail", f"crash (asynchronous): {type(e).__name__}: {_one_line(e)}"
         seconds = time.perf_counter() - start
-        if result == "refused" and expected_refusal is None:
+        # the backend's own layout check: a refusal only of the layout it names (module docstring)
+        layout_refused = (result == "refused" and reason.startswith(KVLayoutError.__name__)
+                          and layout == "non_monotonic_extend" and case.page_size > 1)
+        if result == "refused" and expected_refusal is None and not layout_refused:
             result, reason = "fail", f"refused a case mpfa serves: {reason}"
         elif result == "pass" and expected_refusal is not None:
             result, reason = "fail", f"served a case mpfa does not serve ({expected_refusal})"
-        elif result == "fail" and metric_failure and layout == "non_monotonic_extend" and case.page_size > 1:
-            result, reason = "known-failure", f"{LAYOUT_LIMIT} [{reason}]"
         refs = [c for c in self.comparisons if c["against"] == "reference"]
         eager = [c for c in self.comparisons if c["against"] == "eager"]
         row = dict(section=section, case=case.name, recipe=self.recipe, head_dim=head_dim, hidden_size=hidden_size,
@@ -346,7 +346,7 @@ def _expected_refusal(case, recipe: str, head_dim: int, dtype) -> str | None:
 
 
 def _is_mpfa_refusal(e: BaseException) -> bool:
-    if isinstance(e, (UnsupportedModelError, MpfaConfigError)):
+    if isinstance(e, (UnsupportedModelError, MpfaConfigError, KVLayoutError)):
         return True
     # the pool's refusal of non-bf16 K/V (in a server the backend refuses first, from model_config.dtype, which
     # the kit's TinyModelConfig does not have)

@@ -7,7 +7,8 @@ server loads), ``launch`` (the launch command), ``compat`` (SGLang names, looked
 ``pool`` need SGLang and run in its processes.
 """
 from .model import UnsupportedModelError, check_model_supported
+from .page_table import KVLayoutError
 from .settings import BACKEND_NAME, ENV_VARS, MpfaConfigError, MpfaSettings, load_server_config, resolve_settings
 
-__all__ = ["BACKEND_NAME", "ENV_VARS", "MpfaConfigError", "MpfaSettings", "UnsupportedModelError",
+__all__ = ["BACKEND_NAME", "ENV_VARS", "KVLayoutError", "MpfaConfigError", "MpfaSettings", "UnsupportedModelError",
            "check_model_supported", "load_server_config", "resolve_settings"]

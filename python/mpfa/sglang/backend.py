@@ -32,7 +32,7 @@ from ..prefill import BatchPrefillWrapper, workspace_bytes as prefill_workspace_
 from .compat import attn_tp_size, sglang_attr, sglang_version
 from .kernels import server_kernel_specs
 from .model import UnsupportedModelError, check_model_supported
-from .page_table import build_page_table, page_table_capacity
+from .page_table import build_page_table, check_extend_slots, page_table_capacity
 from .settings import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,10 @@ class MpfaAttnBackend(AttentionBackend):
                                      fixed_split_size=split_size)
             self._active = self.decode_wrapper
         else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
-            if not torch.cuda.is_current_stream_capturing():
-                self.pool.report_out_of_range_slots()   # the prefill plan below syncs anyway
+            if not torch.cuda.is_current_stream_capturing():   # the prefill plan below syncs anyway
+                self.pool.report_out_of_range_slots()
+                check_extend_slots(self.req_to_token, forward_batch.req_pool_indices, forward_batch.extend_seq_lens,
+                                   forward_batch.positions, forward_batch.out_cache_loc, self.page_size)
             bs = forward_batch.batch_size
             lens = forward_batch.extend_seq_lens_cpu
             qo = torch.zeros(bs + 1, dtype=torch.int32)

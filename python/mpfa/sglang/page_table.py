@@ -5,7 +5,8 @@ SGLang gives ``req_to_token[req_pool_index, position] = slot`` and allocates who
 page list is ``req_to_token[r_b, 0::page_size][:ceil(len_b / page_size)] // page_size``.
 
 Every op here is a fixed-shape tensor op (no ``.item()``, ``.cpu()`` or data-dependent shape): the
-CUDA-graph path runs it before each replay without synchronizing the host.
+CUDA-graph path runs it before each replay without synchronizing the host. ``check_extend_slots`` (eager
+extend batches only) checks that the batch's new tokens keep to that layout.
 """
 from __future__ import annotations
 
@@ -55,3 +56,33 @@ def build_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     dest = dest.clamp_(max=trash)
     indices_out.scatter_(0, dest.reshape(-1), pages.reshape(-1))
     return indptr_out, indices_out, last_page_len_out
+
+
+class KVLayoutError(ValueError):
+    """A batch's KV slots break the paged layout the kernels read (token ``position`` at offset
+    ``position % page_size`` of the page its page's first token is in)."""
+
+
+def check_extend_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, extend_seq_lens: torch.Tensor,
+                       positions: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> None:
+    """Raise KVLayoutError unless every new token of an extend batch (``positions`` and ``out_cache_loc``, request
+    by request, ``extend_seq_lens`` tokens each) sits at offset ``position % page_size`` of the page that
+    ``req_to_token`` gives for its page's first position: the kernels find a key by its position in the page list
+    (build_page_table), so a token elsewhere would be read as another. SGLang's paged allocator always keeps to
+    this; a page size of 1 has nothing to check. Synchronizes the host (one reduction)."""
+    if page_size == 1 or out_cache_loc.numel() == 0:
+        return
+    req = torch.repeat_interleave(req_pool_indices.to(torch.int64), extend_seq_lens.to(torch.int64))
+    pos = positions.to(torch.int64)
+    slot = out_cache_loc.to(torch.int64)
+    page_head = req_to_token[req, pos - pos % page_size].to(torch.int64)
+    bad = (torch.div(slot, page_size, rounding_mode="floor") != torch.div(page_head, page_size, rounding_mode="floor")) \
+        | (slot % page_size != pos % page_size)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise KVLayoutError(
+            f"mpfa: extend token {i} (request pool index {int(req[i])}, position {int(pos[i])}) is at KV slot "
+            f"{int(slot[i])}, but --page-size {page_size} puts position {int(pos[i])} at offset "
+            f"{int(pos[i]) % page_size} of page {int(page_head[i]) // page_size} (slot "
+            f"{int(page_head[i]) // page_size * page_size + int(pos[i]) % page_size}); the paged kernels read keys "
+            f"by position. Allocate whole pages in order (SGLang's paged allocator does), or serve with --page-size 1")
