@@ -14,8 +14,14 @@ from mpfa_jit.ops.decode import RECIPES
 
 RESULT = "e2e_sglang_h200"
 ALL_PARTS = ("agreement", "capacity", "launch", "throughput", "soak", "tp")   # sglang_check's, then throughput's
-# The throughput configurations, in the plot's order: SGLang's FlashInfer backend (BF16 / FP8 KV), then mpfa's.
-CONFIGS = ("flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
+# The throughput configurations, in the plot's order: SGLang's fa3 backend (its default on Hopper) with a BF16 and an
+# FP8 KV cache, its FlashInfer backend (BF16 / FP8 KV), then mpfa's.
+FA3_PEERS = ("sglang-fa3-bf16", "sglang-fa3-fp8kv")
+CONFIGS = (*FA3_PEERS, "flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
+# The peers the summary sets the headline recipe against, with its keys' suffixes.
+PEERS = {"sglang-fa3-bf16": "sglang_fa3_bf16", "sglang-fa3-fp8kv": "sglang_fa3_fp8kv",
+         "flashinfer-bf16": "flashinfer_bf16", "flashinfer-fp8": "flashinfer_fp8"}
+FP8_WEIGHTS = "fp8"   # --weights fp8: SGLang's --quantization fp8 on both sides, rows of their own
 NEW_TOKENS = 64                     # tokens the agreement part generates per prompt, and compares
 SCORER = "flashinfer-bf16-scoring"  # the agreement part's teacher-forced scoring configuration
 # README columns (benchmarks.report): one row per server started
@@ -126,11 +132,12 @@ def _label(model: str, *parts) -> str:
 HEADLINE = "mpfa-qk4pv8"   # the recipe whose ratios over SGLang + FlashInfer the summary reports
 
 
-def _throughput_rows(rows: list[dict], workload: str) -> list[dict]:
-    """The throughput rows of ``workload`` that measured something, at TP 1 (rows from before
-    ``--workload`` existed are fixed-length ones)."""
+def _throughput_rows(rows: list[dict], workload: str, weights: str | None = None) -> list[dict]:
+    """The throughput rows of ``workload`` that measured something, at TP 1, with BF16 weights or (``weights``)
+    SGLang's ``--quantization`` of that name (rows from before ``--workload`` existed are fixed-length ones)."""
     return [r for r in rows if r["part"] == "throughput" and r.get("status") == "ok" and r.get("tp", 1) == 1
-            and r.get("output_throughput") and r.get("workload", "fixed") == workload]
+            and r.get("output_throughput") and r.get("workload", "fixed") == workload
+            and r.get("quantization") == weights]
 
 
 def _headline_over(measured: dict[tuple, dict], field: str, peer: str) -> dict[tuple, float]:
@@ -152,13 +159,13 @@ def _same_load(a: dict, b: dict) -> bool:
 
 
 def _throughput_summary(rows: list[dict]) -> dict:
-    """Output-throughput ratios of mpfa qk4pv8 over SGLang + FlashInfer (BF16 and FP8 KV) per model and
-    input length (TP 1), their geometric means for Llama-3.1-8B, TTFT and ITL at concurrency 1, the mixed
-    workload's ratios, soak and TP checks."""
+    """Output-throughput ratios of mpfa qk4pv8 over each peer (SGLang's fa3 and FlashInfer backends, BF16 and FP8
+    KV) per model and input length (TP 1), their geometric means for Llama-3.1-8B, the FP8-weights rows' ratios,
+    TTFT and ITL at concurrency 1, the mixed workload's ratios, soak and TP checks."""
     tput = {(r["model"], r["input_len"], r["config"]): r for r in _throughput_rows(rows, "fixed")}
     out: dict = {}
-    for peer, key in (("flashinfer-bf16", "output_throughput_ratio_vs_flashinfer_bf16"),
-                      ("flashinfer-fp8", "output_throughput_ratio_vs_flashinfer_fp8")):
+    for peer, suffix in PEERS.items():
+        key = f"output_throughput_ratio_vs_{suffix}"
         over = _headline_over(tput, "output_throughput", peer)
         if over:
             out[key] = {_label(*place): v for place, v in over.items()}
@@ -168,6 +175,11 @@ def _throughput_summary(rows: list[dict]) -> dict:
             builds = {_build(tput[(*place, HEADLINE)]) for place in llama}
             if llama and len(builds) == 1:
                 out[key + "_geomean"] = geomean(list(llama.values()))
+    fp8w = {(r["model"], r["input_len"], r["config"]): r for r in _throughput_rows(rows, "fixed", FP8_WEIGHTS)}
+    for peer, suffix in PEERS.items():
+        over = _headline_over(fp8w, "output_throughput", peer)
+        if over:
+            out[f"fp8_weights_output_throughput_ratio_vs_{suffix}"] = {_label(*place): v for place, v in over.items()}
     # a lone request's latencies: TTFT is its prefill, the ITL (mean: its whole decode over its tokens) its decode
     for field, key in (("ttft_concurrency1_s", "ttft_concurrency1_ratio_vs_flashinfer_bf16"),
                        ("itl_concurrency1_mean_ms", "itl_concurrency1_ratio_vs_flashinfer_bf16")):
@@ -176,6 +188,7 @@ def _throughput_summary(rows: list[dict]) -> dict:
             out[key] = ratios
     out.update(_mixed_summary(rows))
     measured = {**{_label(m, n, c): r for (m, n, c), r in tput.items()},
+                **{_label(m, n, c, f"{FP8_WEIGHTS}-weights"): r for (m, n, c), r in fp8w.items()},
                 **{_label(r["model"], "mixed", r["config"]): r for r in _throughput_rows(rows, "mixed")}}
     if measured:
         # Rows of one results file can come from different runs and builds (a rerun replaces only its own

@@ -1,14 +1,18 @@
-"""SGLang end to end at long context: throughput of ``--attention-backend mpfa`` against FlashInfer.
+"""SGLang end to end at long context: throughput of ``--attention-backend mpfa`` against SGLang's fa3 and FlashInfer.
 
     python -m benchmarks.e2e.throughput --input-len 32768 [--model llama-3.1-8b] [--configs ...] [--requests N]
+    python -m benchmarks.e2e.throughput --input-len 65536 --weights fp8 --configs sglang-fa3-bf16,sglang-fa3-fp8kv,mpfa-qk4pv8
     python -m benchmarks.e2e.throughput --workload mixed [--output-len 1024] [--configs ...] [--requests N]
     python -m benchmarks.e2e.throughput --soak [--soak-requests 200]     # mixed lengths, cancellations
     python -m benchmarks.e2e.throughput --tp-check                        # TP=2 vs TP=1 (2 GPUs, saved model)
 
 Each configuration is one SGLang server (``python -m sglang.launch_server``, dummy weights, page size 16,
 ``--mem-fraction-static`` of the default server config, SGLang's default chunked prefill) serving the
-same input_ids: ``flashinfer-bf16`` and ``flashinfer-fp8`` (``--kv-cache-dtype fp8_e4m3``) are SGLang's
-own FlashInfer backend, ``mpfa-<recipe>`` ours. A streaming client sends every request at once (or at most
+same input_ids: ``sglang-fa3-bf16`` and ``sglang-fa3-fp8kv`` (``--kv-cache-dtype fp8_e4m3``) are SGLang's fa3
+backend (its default for these models on Hopper; sglang-kernel's FA3 library), ``flashinfer-bf16`` and
+``flashinfer-fp8`` its FlashInfer backend, ``mpfa-<recipe>`` ours (the prefill CUDA graph as the plugin decides
+for the plain command). ``--weights fp8`` serves every configuration with SGLang's ``--quantization fp8``
+linear layers (rows of their own: ``quantization``, group ``.../w<fp8>``). A streaming client sends every request at once (or at most
 ``--concurrency``) with ``ignore_eos`` and records, per configuration: output and total throughput (tokens
 per second of wall time from the first request sent to the last token received), time to first token and
 inter-token latency (mean, p50, p99), ``max_total_num_tokens`` from the server, errors, and for mpfa the
@@ -67,7 +71,7 @@ from mpfa_jit.ops.decode import RECIPES
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
           "qwen3-14b": REPO / "server_configs/models/qwen3-14b"}
-BYTES_PER_TOKEN_HEAD_D128 = {"flashinfer-bf16": 512, "flashinfer-fp8": 256,
+BYTES_PER_TOKEN_HEAD_D128 = {"sglang-fa3-bf16": 512, "sglang-fa3-fp8kv": 256, "flashinfer-bf16": 512, "flashinfer-fp8": 256,
                              **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in RECIPES}}
 PORT = 30611
 PAGE_SIZE = 16                   # every configuration's --page-size
@@ -101,19 +105,26 @@ MIXED_LENGTHS = LengthMix(short_min=1024, short_max=8192, long_min=32768, block=
 MIXED_SEED = 0
 
 
+def config_backend(config: str) -> str:
+    """SGLang's --attention-backend of a configuration."""
+    return "mpfa" if config.startswith("mpfa-") else ("fa3" if config in e2e_results.FA3_PEERS else "flashinfer")
+
+
 def server_argv(config: str, model: str, *, context_length: int, mem_fraction: float, tp: int, port: int,
-                model_path: Path | None = None, dummy: bool = True) -> tuple[list, dict]:
-    """(argv, extra environment) of one configuration's server."""
-    backend = "mpfa" if config.startswith("mpfa-") else "flashinfer"
+                model_path: Path | None = None, dummy: bool = True, weights: str | None = None) -> tuple[list, dict]:
+    """(argv, extra environment) of one configuration's server; ``weights``: SGLang's --quantization (None: the
+    checkpoint's BF16 weights)."""
+    backend = config_backend(config)
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path or MODELS[model]),
             *(["--load-format", "dummy"] if dummy else []), "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", str(PAGE_SIZE), "--context-length",
             str(context_length), "--mem-fraction-static", str(mem_fraction), "--tp-size", str(tp), "--port", str(port),
             "--random-seed", "0", "--log-level", "warning"]
     env = {}
-    if config == "flashinfer-fp8":
+    if weights:
+        argv += ["--quantization", weights]
+    if config in ("flashinfer-fp8", "sglang-fa3-fp8kv"):
         argv += ["--kv-cache-dtype", "fp8_e4m3"]
-    if backend == "mpfa":
-        argv += ["--disable-prefill-cuda-graph"]   # mpfa captures decode graphs only (docs/sglang.md)
+    if backend == "mpfa":   # the prefill CUDA graph: as the plugin decides for the plain command (docs/sglang.md)
         env["MPFA_RECIPE"] = config.split("-", 1)[1]
     return argv, env
 
@@ -307,7 +318,7 @@ def workload_fields(args, config: str, input_lens: list[int]) -> dict:
     """The row fields naming what a configuration was sent. ``group`` is what the results file replaces rows
     by: fixed rows keep theirs (``<model>/in<length>/...``), mixed rows get ``<model>/mixed/...``, so a
     mixed run never replaces a fixed-length row nor the other way round."""
-    tail = f"out{args.output_len}/tp{args.tp}/{config}"
+    tail = f"out{args.output_len}/tp{args.tp}/{config}" + (f"/w{args.weights}" if args.weights else "")
     if args.workload == "fixed":
         return {"workload": "fixed", "input_len": args.input_len, "group": f"{args.model}/in{args.input_len}/{tail}"}
     n_long = sum(map(MIXED_LENGTHS.is_long, input_lens))
@@ -341,10 +352,11 @@ def mpfa_kernel_builds(config: str, model: str, tp: int) -> list[str] | None:
 def run_config(config: str, args, inputs, probe_input, probe_output: int, context: int, log_dir: Path, bar) -> dict:
     """One configuration's server under the load (and the concurrency-1 probe where ``probe_input`` is given)."""
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
-                                  tp=args.tp, port=args.port)
+                                  tp=args.tp, port=args.port, weights=args.weights)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     input_lens = [len(x) for x in inputs]
     row = {"part": "throughput", "model": args.model, "config": config, **workload_fields(args, config, input_lens),
+           **({"quantization": args.weights} if args.weights else {}),
            "output_len": args.output_len, "tp": args.tp, "mem_fraction_static": args.mem_fraction, "concurrency": args.concurrency or len(inputs),
            "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
            # which GPU of the host, so runs of parallel queues (one GPU each) say so
@@ -508,6 +520,9 @@ def parse_args(argv):
     ap.add_argument("--no-ttft-probe", dest="ttft_probe", action="store_false",
                     help="skip the lone request after the load (TTFT and ITL at concurrency 1; fixed workload only)")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--weights", choices=[e2e_results.FP8_WEIGHTS], default=None,
+                    help="serve the linear layers quantized (SGLang's --quantization, every configuration; "
+                         "default: the model's BF16 weights)")
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--soak", action="store_true", help="run the soak instead (mixed lengths, cancellations)")
     ap.add_argument("--soak-requests", type=int, default=200)

@@ -169,10 +169,34 @@ def test_server_argv_per_configuration():
     argv, env = tp.server_argv("flashinfer-fp8", "llama-3.1-8b", context_length=33856, mem_fraction=0.85, tp=1, port=9)
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and argv[argv.index("--attention-backend") + 1] == "flashinfer"
     assert env == {} and "--disable-prefill-cuda-graph" not in argv
+    # mpfa: the prefill graph is the plugin's choice, as for the plain command
     argv, env = tp.server_argv("mpfa-qk4pv8", "qwen3-14b", context_length=66560, mem_fraction=0.85, tp=2, port=9)
-    assert env == {"MPFA_RECIPE": "qk4pv8"} and "--disable-prefill-cuda-graph" in argv
+    assert env == {"MPFA_RECIPE": "qk4pv8"} and "--disable-prefill-cuda-graph" not in argv
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--model-path") + 1].endswith("qwen3-14b")
-    assert argv[argv.index("--page-size") + 1] == "16" and "--load-format" in argv
+    assert argv[argv.index("--page-size") + 1] == "16" and "--load-format" in argv and "--quantization" not in argv
+    # SGLang's fa3 backend, BF16 and FP8 KV; FP8 weights on any configuration
+    argv, env = tp.server_argv("sglang-fa3-bf16", "llama-3.1-8b", context_length=33856, mem_fraction=0.85, tp=1, port=9)
+    assert argv[argv.index("--attention-backend") + 1] == "fa3" and "--kv-cache-dtype" not in argv and env == {}
+    argv, env = tp.server_argv("sglang-fa3-fp8kv", "llama-3.1-8b", context_length=33856, mem_fraction=0.85, tp=1,
+                               port=9, weights="fp8")
+    assert argv[argv.index("--attention-backend") + 1] == "fa3" and argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+
+
+def test_summary_sets_the_headline_against_every_peer_and_keeps_fp8_weight_rows_apart():
+    def row(config, length, tput, **kw):
+        return {"part": "throughput", "status": "ok", "model": "llama-3.1-8b", "config": config, "input_len": length,
+                "output_throughput": tput, "requests": 10, "commit": "abc", **kw}
+    rows = [row(c, n, t) for n in (32768, 65536) for c, t in (("sglang-fa3-bf16", 100.0), ("sglang-fa3-fp8kv", 125.0),
+                                                              ("flashinfer-bf16", 80.0), ("mpfa-qk4pv8", 150.0))]
+    rows += [row(c, 65536, t, quantization="fp8") for c, t in (("sglang-fa3-bf16", 200.0), ("mpfa-qk4pv8", 300.0))]
+    s = results.summarize(rows)
+    assert s["output_throughput_ratio_vs_sglang_fa3_bf16_geomean"] == pytest.approx(1.5)
+    assert s["output_throughput_ratio_vs_sglang_fa3_fp8kv_geomean"] == pytest.approx(1.2)
+    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": pytest.approx(1.875), "65536": pytest.approx(1.875)}
+    # the FP8-weights rows: their own ratios, never mixed into the BF16-weights ones
+    assert s["fp8_weights_output_throughput_ratio_vs_sglang_fa3_bf16"] == {"65536": pytest.approx(1.5)}
+    assert "fp8_weights_output_throughput_ratio_vs_sglang_fa3_fp8kv" not in s
 
 
 def test_same_inputs_for_every_configuration():
