@@ -15,7 +15,7 @@ COMMANDS = ["benchmarks.run", "benchmarks.report", "benchmarks.roofline", "bench
             "benchmarks.prefill_variants", "benchmarks.profile_kernels", "benchmarks.ceilings",
             "benchmarks.e2e.throughput", "benchmarks.e2e.sglang_check", "benchmarks.e2e.merge_results",
             "benchmarks.e2e.smollm2_hf", "benchmarks.accuracy.run", "benchmarks.accuracy.error_budget",
-            "benchmarks.accuracy.calibration", "benchmarks.accuracy.fp8_accumulation"]
+            "benchmarks.accuracy.calibration", "benchmarks.accuracy.fp8_accumulation", "benchmarks.ab_trees"]
 
 
 def refusal(capsys, module: str, argv: list[str], code: int = 2) -> str:
@@ -125,3 +125,19 @@ def test_roofline_of_a_missing_or_empty_folder(capsys, tmp_path):
 def test_ceilings_bad_arguments(capsys):
     assert "--only: unknown ['nope']" in refusal(capsys, "benchmarks.ceilings", ["--only", "nope"])
     assert "--rep-ms positive" in refusal(capsys, "benchmarks.ceilings", ["--rep-ms", "0"])
+
+
+def test_ab_trees_refuses_a_folder_that_is_not_a_source_tree(capsys, tmp_path):
+    err = refusal(capsys, "benchmarks.ab_trees", ["--old", str(tmp_path)])
+    assert "--old" in err and "mpfa_jit/, python/ and templates/" in err
+    for d in ("mpfa_jit", "python", "templates"):
+        (tmp_path / d).mkdir()
+    assert "--ops" in refusal(capsys, "benchmarks.ab_trees", ["--old", str(tmp_path), "--ops", "append"])
+
+
+def test_ab_trees_ratio_is_new_over_old_of_the_process_medians():
+    from benchmarks.ab_trees import summarize
+    row = lambda ms: [{"op": "decode", "recipe": "qk4pv8", "shape": "8x131072", "ms": ms}]
+    summary, rows = summarize({"old": [row(1.0), row(1.2), row(1.1)], "new": [row(1.1), row(1.12), row(5.0)]})
+    assert summary["new_over_old_time"] == {"decode/qk4pv8/8x131072": pytest.approx(1.12 / 1.1)}
+    assert rows[0]["old_median_ms"] == 1.1 and not summary["within_1_percent"]
