@@ -44,8 +44,6 @@ def test_no_template_file_over_320_lines():
     assert not long, f"template files over {TEMPLATE_MAX_LINES} lines: {long}"
 
 
-@pytest.mark.xfail(strict=True, reason="git-tracked benchmarks/results is 4,509,100 bytes (4.5 MB) at b96a64b, 3.37 MB "
-                   "of it benchmarks/results/logs and studies/: issue 31 moves raw logs and study outputs out of git")
 def test_tracked_results_under_1_5_mb():
     files = [p for p in git_files("benchmarks/results") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
