@@ -15,7 +15,7 @@ COMMANDS = ["benchmarks.run", "benchmarks.report", "benchmarks.roofline", "bench
             "benchmarks.prefill_variants", "benchmarks.profile_kernels", "benchmarks.ceilings",
             "benchmarks.e2e.throughput", "benchmarks.e2e.sglang_check", "benchmarks.e2e.merge_results",
             "benchmarks.e2e.smollm2_hf", "benchmarks.accuracy.run", "benchmarks.accuracy.error_budget",
-            "benchmarks.accuracy.calibration", "benchmarks.accuracy.fp8_accumulation", "benchmarks.ab_trees"]
+            "benchmarks.accuracy.calibration", "benchmarks.accuracy.fp8_accumulation", "benchmarks.ab_trees", "benchmarks.e2e.serving"]
 
 
 def refusal(capsys, module: str, argv: list[str], code: int = 2) -> str:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks.e2e import results
+from benchmarks.e2e import serving
 from benchmarks.e2e import sglang_check as sc
 from benchmarks.e2e import smollm2_hf
 from benchmarks.e2e import throughput as tp
@@ -340,3 +341,55 @@ def test_server_env_keeps_nvlink_multicast_off_and_drops_mpfa_settings(monkeypat
     assert env["MPFA_RECIPE"] == "qk4pv8" and env["MPFA_CACHE_DIR"] == "/tmp/c"
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert env["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+# --- benchmarks.e2e.serving: SGLang's bench_serving against each configuration ------------------------------------
+
+
+def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_settings(tmp_path):
+    argv, env = serving.server_command("sglang-fa3-fp8kv", 66624, 9, tmp_path)
+    assert "--skip-tokenizer-init" not in argv and argv[argv.index("--tokenizer-path") + 1] == str(serving.TOKENIZER)
+    assert argv[argv.index("--attention-backend") + 1] == "fa3" and argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert argv[argv.index("--page-size") + 1] == "16" and argv[argv.index("--context-length") + 1] == "66624"
+    # mpfa through its launcher, from a copy of the served YAML
+    argv, env = serving.server_command("mpfa-qk4pv8", 66624, 9, tmp_path)
+    assert argv[1:3] == ["-m", "mpfa.sglang.launch"] and argv[-2:] == ["--port", "9"] and env == {}
+    from mpfa.sglang.launch import build_launch
+    plan = build_launch(argv[3], env={})
+    assert "--skip-tokenizer-init" not in plan.argv and plan.env["MPFA_RECIPE"] == "qk4pv8"
+    assert plan.argv[plan.argv.index("--tokenizer-path") + 1] == str(serving.TOKENIZER)
+    assert plan.argv[plan.argv.index("--context-length") + 1] == "66624"
+    assert plan.argv[plan.argv.index("--page-size") + 1] == "16" and "--load-format" in plan.argv
+
+
+def test_serving_client_is_sglangs_with_the_same_prompts_for_everyone(tmp_path):
+    cmd = serving.client_command(9, 0.3, 100, 1, tmp_path / "x.jsonl")
+    assert cmd[1:3] == ["-m", "sglang.bench_serving"]
+    flag = lambda f: cmd[cmd.index(f) + 1]
+    assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd and "--flush-cache" in cmd
+    assert int(flag("--random-input-len")) * float(flag("--random-range-ratio")) == 1024
+    assert (flag("--num-prompts"), flag("--request-rate"), flag("--seed")) == ("100", "0.3", "1")
+
+
+def test_serving_summary_sets_the_headline_against_the_fa3_peers_per_rate():
+    row = lambda c, rate, ttft, itl, tput: {"config": c, "rate": rate, "status": "ok", "median_ttft_ms": ttft,
+                                            "p99_itl_ms": itl, "median_e2e_latency_ms": 10.0, "output_throughput": tput}
+    rows = [row("sglang-fa3-bf16", 0.3, 400.0, 40.0, 100.0), row("mpfa-qk4pv8", 0.3, 200.0, 30.0, 120.0),
+            row("sglang-fa3-fp8kv", 0.3, 300.0, 35.0, 110.0), row("mpfa-qk4pv8", 0.5, 250.0, 31.0, 150.0),
+            {"config": "sglang-fa3-bf16", "rate": 0.5, "status": "error"}]
+    s = serving.summarize(rows)
+    assert s["rates"] == [0.3, 0.5]
+    assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.3": 0.5}   # the failed peer row leaves 0.5 out
+    assert s["itl_p99_ratio_vs_sglang_fa3_fp8kv"] == {"0.3": pytest.approx(30 / 35)}
+    assert s["output_throughput_ratio_vs_sglang_fa3_bf16"] == {"0.3": pytest.approx(1.2)}
+    merged = serving.merge(rows, [row("sglang-fa3-bf16", 0.5, 500.0, 45.0, 90.0)])
+    assert len(merged) == 5 and serving.summarize(merged)["ttft_p50_ratio_vs_sglang_fa3_bf16"]["0.5"] == 0.5
+
+
+def test_serving_refuses_bad_rates_and_a_missing_tokenizer(capsys, monkeypatch, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        serving.main(["--rates", "0,fast"])
+    assert e.value.code == 2 and "--rates" in capsys.readouterr().err
+    monkeypatch.setattr(serving, "TOKENIZER", tmp_path)
+    assert serving.main(["--rates", "0.3"]) == 2
+    assert "benchmarks.e2e.smollm2_hf" in capsys.readouterr().err

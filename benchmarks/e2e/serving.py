@@ -1,0 +1,245 @@
+"""SGLang's own serving client against mpfa and SGLang's backends: latency and throughput under Poisson load.
+
+    python -m benchmarks.e2e.serving --rates 0.15,0.3,0.5 [--configs ...] [--prompts 100] [--publish]
+
+Per configuration one server, then per request rate (lowest first) one run of SGLang's client:
+
+    python -m sglang.bench_serving --backend sglang --dataset-name random-ids --tokenize-prompt
+        --random-input-len 65536 --random-output-len 1024 --random-range-ratio 0.015625
+        --num-prompts N --request-rate R --seed S --flush-cache --tokenizer <SmolLM2> --model <model dir> ...
+
+so every configuration gets the same prompts (random token ids, input lengths uniform over 1K-64K tokens,
+outputs 16-1,024: SGLang's random dataset draws both with one range ratio, 1/64) at the same Poisson arrival
+times, with the radix cache flushed between rates. ``random-ids`` is SGLang's random dataset without its
+ShareGPT download (the GPU machine has no network). The servers: mpfa through ``python -m mpfa.sglang.launch``
+with the served YAML (server_configs/llama-3.1-8b-<recipe>.yaml, written to a temporary copy that names the
+tokenizer and the context length instead of --skip-tokenizer-init), the peers through
+``python -m sglang.launch_server`` with the same model, dummy weights, page size, memory fraction and context
+length (``sglang-fa3-bf16``, ``sglang-fa3-fp8kv``: SGLang's fa3 backend, its default on Hopper, with a BF16 or
+FP8 KV cache; ``flashinfer-bf16``). The tokenizer is SmolLM2's (``python -m benchmarks.e2e.smollm2_hf``): its ids
+are valid for the dummy Llama shape, and the server needs one to stream text, which bench_serving times.
+
+Rows (one per configuration and rate) carry what bench_serving reports: output throughput, TTFT, ITL and
+end-to-end latency (mean, p50, p90, p99), completed requests. They go to ``<out>/serving_h200.json``, replacing
+earlier rows of the same configuration and rate, so runs of a few configurations or rates at a time add up;
+the summary sets mpfa qk4pv8 against the fa3 peers per rate (``ttft_p50_ratio_vs_sglang_fa3_bf16``, ...), and
+``serving_h200.png`` plots TTFT p50, ITL p99 and end-to-end p50 against the rate, one line per configuration.
+``<out>`` is benchmarks/results/scratch unless ``--publish`` (benchmarks/publish.py).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import cli
+from benchmarks import meta as bench_meta
+from benchmarks import publish, results_io
+from benchmarks.e2e import throughput
+from benchmarks.e2e.server import Server, server_env, server_info
+
+RESULT = "serving_h200"
+PROG = "python -m benchmarks.e2e.serving"
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ("sglang-fa3-bf16", "sglang-fa3-fp8kv", "flashinfer-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
+HEADLINE = "mpfa-qk4pv8"
+PEERS = {"sglang-fa3-bf16": "sglang_fa3_bf16", "sglang-fa3-fp8kv": "sglang_fa3_fp8kv"}
+MODEL = "llama-3.1-8b"
+TOKENIZER = REPO / "server_configs" / "models" / "smollm2-135m"
+INPUT_MAX, OUTPUT_MAX, RANGE_RATIO = 65536, 1024, 1 / 64
+PORT = 30641
+# bench_serving's result fields a row keeps (its JSONL line also has the server's whole /server_info)
+FIELDS = ("duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
+          "input_throughput", "output_throughput", "total_throughput", "concurrency", "max_concurrent_requests",
+          *(f"{s}_{m}_ms" for m in ("ttft", "itl", "e2e_latency", "tpot") for s in ("mean", "median", "p90", "p99")))
+# the summary's ratios: (row field, summary key stem)
+RATIOS = (("median_ttft_ms", "ttft_p50"), ("p99_itl_ms", "itl_p99"), ("median_e2e_latency_ms", "e2e_latency_p50"),
+          ("output_throughput", "output_throughput"))
+
+
+def mpfa_yaml(recipe: str, context: int, tmp: Path) -> Path:
+    """The served YAML of ``recipe`` as a copy in ``tmp`` that names the model by absolute path, the SmolLM2
+    tokenizer instead of --skip-tokenizer-init, and ``context`` tokens of context."""
+    import yaml
+    src = REPO / "server_configs" / f"{MODEL}-{recipe}.yaml"
+    doc = yaml.safe_load(src.read_text())
+    doc["model"] = str((src.parent / doc["model"]).resolve())
+    doc["sglang"].pop("skip-tokenizer-init", None)
+    doc["sglang"].update({"tokenizer-path": str(TOKENIZER), "context-length": context})
+    out = tmp / f"{recipe}.yaml"
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
+
+
+def server_command(config: str, context: int, port: int, tmp: Path) -> tuple[list, dict]:
+    """(argv, extra environment) of one configuration's server."""
+    if config.startswith("mpfa-"):
+        yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp)
+        return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port)], {}
+    argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=1, port=port)
+    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(TOKENIZER)]
+    return argv, env
+
+
+def client_command(port: int, rate: float, prompts: int, seed: int, out_file: Path) -> list:
+    """SGLang's serving client for one rate (the module docstring's command)."""
+    return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(throughput.MODELS[MODEL]), "--tokenizer", str(TOKENIZER), "--dataset-name", "random-ids",
+            "--tokenize-prompt", "--random-input-len", str(INPUT_MAX), "--random-output-len", str(OUTPUT_MAX),
+            "--random-range-ratio", repr(RANGE_RATIO), "--num-prompts", str(prompts), "--request-rate", repr(rate),
+            "--seed", str(seed), "--flush-cache", "--warmup-requests", "2", "--disable-tqdm", "--output-file", str(out_file)]
+
+
+def client_row(out_file: Path) -> dict:
+    """The fields of bench_serving's last JSONL line."""
+    lines = [ln for ln in out_file.read_text().splitlines() if ln.strip()] if out_file.exists() else []
+    if not lines:
+        raise RuntimeError(f"bench_serving wrote no result to {out_file}")
+    res = json.loads(lines[-1])
+    return {k: res.get(k) for k in FIELDS}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The rates measured and, per rate, the headline's ratios over each fa3 peer (keys ``<stem>_ratio_vs_<peer>``,
+    dicts keyed by the rate): below 1 for latencies is mpfa faster, above 1 for throughput."""
+    ok = {(r["config"], r["rate"]): r for r in rows if r.get("status") == "ok"}
+    rates = sorted({rate for _, rate in ok})
+    out: dict = {"rates": rates}
+    for peer, suffix in PEERS.items():
+        for field, stem in RATIOS:
+            ratios = {}
+            for rate in rates:
+                a, b = ok.get((HEADLINE, rate)), ok.get((peer, rate))
+                if a and b and a.get(field) and b.get(field):
+                    ratios[str(rate)] = a[field] / b[field]
+            if ratios:
+                out[f"{stem}_ratio_vs_{suffix}"] = ratios
+    return out
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    from benchmarks import plots
+    ok = [r for r in rows if r.get("status") == "ok"]
+    rates = sorted({r["rate"] for r in ok})
+    paths = []
+    for field, name, unit in (("median_ttft_ms", "TTFT p50", "ms"), ("p99_itl_ms", "ITL p99", "ms"),
+                              ("median_e2e_latency_ms", "end-to-end latency p50", "ms")):
+        series = {c: [next((r[field] for r in ok if r["config"] == c and r["rate"] == x), None) for x in rates]
+                  for c in CONFIGS if any(r["config"] == c for r in ok)}
+        stem = name.split()[0].lower().replace("-", "_")
+        paths.append(plots.line(rates, series, Path(out_dir) / f"{RESULT}_{stem}.png", xlabel="request rate (req/s)",
+                                ylabel=f"{name} ({unit})", title=f"SGLang bench_serving, H200: {name} vs request rate"))
+    return paths
+
+
+def merge(previous: list[dict], new: list[dict]) -> list[dict]:
+    """Rows after a run: a (configuration, rate) measured again replaces its earlier row."""
+    fresh = {(r["config"], r["rate"]) for r in new}
+    return sorted([r for r in previous if (r["config"], r["rate"]) not in fresh] + new,
+                  key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
+
+
+def run_config(config: str, args, rates: list[float], tmp: Path, log_dir: Path, bar) -> list[dict]:
+    """One server, every rate against it; a failure becomes error rows."""
+    context = throughput.server_context_length(INPUT_MAX, OUTPUT_MAX, throughput.model_config(MODEL)["max_position_embeddings"])
+    argv, extra = server_command(config, context, args.port, tmp)
+    rows = []
+    base = {"part": "serving", "config": config, "model": MODEL, "prompts": args.prompts, "seed": args.seed,
+            "input_len_range": [int(INPUT_MAX * RANGE_RATIO), INPUT_MAX],
+            "output_len_range": [int(OUTPUT_MAX * RANGE_RATIO), OUTPUT_MAX], "dataset": "random-ids"}
+    try:
+        if config.startswith("mpfa-"):   # the server's kernels, built (or found) before it starts
+            subprocess.run([sys.executable, "-m", "mpfa.sglang.warmup", argv[3]], check=True, cwd=REPO,
+                           stdout=subprocess.DEVNULL)
+        with Server(argv, server_env(**extra, HF_HUB_OFFLINE="1"), log_dir / f"serving-{config}.log", args.port) as srv:
+            pool = server_info(srv.base).get("max_total_num_tokens")
+            for rate in rates:
+                bar.set_description(f"{config} at {rate} req/s")
+                out_file = tmp / f"{config}-{rate}.jsonl"
+                t0 = time.perf_counter()
+                client = subprocess.run(client_command(args.port, rate, args.prompts, args.seed, out_file), cwd=REPO,
+                                        capture_output=True, text=True, env=server_env(HF_HUB_OFFLINE="1"))
+                row = {**base, "rate": rate, "max_total_num_tokens": pool, "seconds": round(time.perf_counter() - t0, 1),
+                       "startup_s": round(srv.startup_s, 1)}
+                try:
+                    row.update(client_row(out_file))
+                    row["status"] = "ok" if client.returncode == 0 and row["completed"] == args.prompts else "error"
+                    if row["status"] != "ok":
+                        row["error"] = f"exit {client.returncode}, {row['completed']} of {args.prompts} completed"
+                except RuntimeError as e:
+                    row.update(status="error", error=f"{e}; client stderr: {client.stderr[-800:]}")
+                rows.append(row)
+                bar.update(1)
+    except Exception as e:
+        done = {r["rate"] for r in rows}
+        rows += [{**base, "rate": rate, "status": "error", "error": f"{type(e).__name__}: {e}"} for rate in rates
+                 if rate not in done]
+        bar.update(len(rates) - len(done))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", required=True, help="comma-separated request rates (req/s), e.g. 0.15,0.3,0.5")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    ap.add_argument("--prompts", type=int, default=100, help="requests per rate (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=1, help="bench_serving's seed: prompts and arrival times")
+    ap.add_argument("--port", type=int, default=PORT)
+    publish.add_arguments(ap)
+    args = ap.parse_args(argv)
+    args.out = publish.destination(ap, args.out, args.publish)
+    configs = [c for c in args.configs.split(",") if c]
+    if not configs or any(c not in CONFIGS for c in configs):
+        ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
+    try:
+        rates = sorted({float(x) for x in args.rates.split(",") if x})
+    except ValueError:
+        rates = []
+    if not rates or any(not 0 < r < 1000 for r in rates):
+        ap.error(f"--rates: comma-separated request rates above 0 (req/s), got {args.rates!r}")
+    if args.prompts < 10:
+        ap.error(f"--prompts must be at least 10 (a p99 over fewer is one request), got {args.prompts}")
+    if not (TOKENIZER / "tokenizer.json").exists():
+        print(f"{PROG}: error: no tokenizer in {publish.display(TOKENIZER)}: run python -m benchmarks.e2e.smollm2_hf "
+              "first (the servers stream text, which bench_serving times)", file=sys.stderr)
+        return 2
+    why = publish.refusal(PROG, [f"{RESULT}.json"], args.out, need_sglang=True) if args.publish else None
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    target = Path(args.out)
+    published = results_io.RESULTS_DIR / f"{RESULT}.json"
+    source = target / f"{RESULT}.json" if (target / f"{RESULT}.json").exists() else published
+    previous = results_io.read(source) if source.exists() else {"meta": {}, "rows": []}
+    work = publish.staging_dir(RESULT) if args.publish else target
+    command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = bench_meta.collect(command, calls=previous["meta"].get("calls", []) + [{"command": command}])
+    from tqdm import tqdm
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(configs) * len(rates), unit="run", file=sys.stderr) as bar:
+        for config in configs:
+            rows += run_config(config, args, rates, Path(tmp), work / "logs" / "serving", bar)
+            merged = merge(previous["rows"], rows)
+            results_io.write(RESULT, meta, summarize(merged), merged, work)
+    try:
+        plot(merged, work)
+    except RuntimeError as e:   # no matplotlib: the JSON is the result
+        print(f"no plot: {e}", file=sys.stderr)
+    for r in rows:
+        line = (f"{r['config']} at {r['rate']} req/s: " + (f"{r['output_throughput']:.0f} output tok/s, TTFT p50 "
+                f"{r['median_ttft_ms']:.0f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms" if r["status"] == "ok" else r["error"]))
+        print(line)
+    failed = publish.failed_rows(rows)
+    if args.publish and not failed:
+        for p in publish.promote(work, args.out):
+            print(f"published {publish.display(p)}", file=sys.stderr)
+    elif failed:
+        print(publish.failure_line(PROG, failed, work / f"{RESULT}.json"), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
