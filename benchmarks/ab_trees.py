@@ -25,7 +25,6 @@ from pathlib import Path
 RESULT = "ab_trees_h200"
 PROG = "python -m benchmarks.ab_trees"
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
 # Llama-3.1-8B's attention (32 query / 8 KV heads, head_dim 128) at page size 16, SGLang's long-context shapes:
 # decode batches over 32K and 128K contexts; prefill of one 16K prompt and of a chunk after a cached prefix.
 QO_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -102,6 +101,7 @@ def _build(ops: list[str]) -> None:
     from mpfa_jit.ops import append_kv, decode, prefill
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    from mpfa.recipes import RECIPES   # the tree's own recipes
     specs = [append_kv.spec(recipe=r, head_dim=HEAD_DIM, page_size=PAGE, arch=arch) for r in RECIPES]
     if "decode" in ops:
         specs += [decode.spec(recipe=r, head_dim=HEAD_DIM, page_size=PAGE, group_size=QO_HEADS // KV_HEADS, arch=arch)
@@ -118,6 +118,7 @@ def worker(tree: str | None, ops: list[str], reps: int, build: bool = False) -> 
         _use_tree(tree)
     if build:
         _build(ops)
+    from mpfa.recipes import RECIPES   # the tree's own recipes
     rows = []
     for op in ops:
         for recipe in RECIPES:

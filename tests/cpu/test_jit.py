@@ -54,9 +54,10 @@ def test_templates_are_found_as_installed():
 def test_render_substitutes_parameters_and_rejects_missing_ones():
     src = _spec("qk4pv8", 64, 32).render()
     assert "constexpr int kHeadDim = 64;" in src and "constexpr int kPageSize = 32;" in src
-    assert "kRecipe = mpfa::Recipe::kQk4pv8;" in src and "Layout::k8_bytes == 32" in src   # the layout check
+    # the cache row from the Field table: k, k8, k_block_scale, k_scale, v bytes (d64: 16, 32, 4, 4, 64)
+    assert "kRecipe = mpfa::Recipe::kQk4pv8;" in src and "mpfa::CacheLayout<kRecipe, kHeadDim, 16, 32, 4, 4, 64>" in src
     bf16 = _spec("bf16", 128, 1).render()
-    assert "kRecipe = mpfa::Recipe::kBf16;" in bf16 and "Layout::k_bytes == 256" in bf16 and "k8_bytes" not in bf16
+    assert "kRecipe = mpfa::Recipe::kBf16;" in bf16 and "mpfa::CacheLayout<kRecipe, kHeadDim, 256, 0, 0, 0, 256>" in bf16
     with pytest.raises(jinja2.UndefinedError):
         render("append_kv.cu.jinja", {"recipe": "qk4pv8", "arch": ARCH})
 

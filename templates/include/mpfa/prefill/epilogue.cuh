@@ -12,8 +12,9 @@
 namespace {
 
 // r_lo: the thread's first row within the tile (the other is r_lo + 8); c = lane % 4.
-__device__ __forceinline__ void store_o(const PrefillParams& p, const Item& it, const float (&o_acc)[kORegs],
-                                        const SoftmaxRows& st, int r_lo, int c) {
+template <class Kt>
+__device__ __forceinline__ void store_o(const PrefillParams& p, const Item& it, const float (&o_acc)[Kt::kORegs],
+                                        const SoftmaxRows<Kt>& st, int r_lo, int c) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = st.l_run[h];
@@ -24,18 +25,19 @@ __device__ __forceinline__ void store_o(const PrefillParams& p, const Item& it, 
       const float inv = l > 0.f ? 1.f / l : 0.f;
       __nv_bfloat16* orow = p.out + int64_t(it.qo_start + it.row0 + r) * p.out_stride_t + int64_t(it.hq) * p.out_stride_h;
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
+      for (int j = 0; j < Kt::kHeadDim / 8; ++j) {
         const int col = 8 * j + 2 * c;
         float x0 = o_acc[4 * j + 2 * h] * inv, x1 = o_acc[4 * j + 2 * h + 1] * inv;
-        if constexpr (kQuant) {
-          const float2 vs = *reinterpret_cast<const float2*>(p.v_scale + int64_t(it.hk) * kHeadDim + col);
+        if constexpr (Kt::kQuant) {
+          const float2 vs = *reinterpret_cast<const float2*>(p.v_scale + int64_t(it.hk) * Kt::kHeadDim + col);
           x0 *= vs.x; x1 *= vs.y;
         }
         *reinterpret_cast<uint32_t*>(orow + col) = mpfa::pack_bf16x2(x0, x1);
       }
       if (p.lse != nullptr && c == 0)   // a NaN row sum (non-finite input) gives a NaN LSE, not -inf
         p.lse[int64_t(it.qo_start + it.row0 + r) * p.num_qo_heads + it.hq] =
-            !(l <= 0.f) ? (st.m_run[h] + log2f(l) - (kQuant ? kLog2P : 0.f)) * 0.69314718055994530942f : -CUDART_INF_F;
+            !(l <= 0.f) ? (st.m_run[h] + log2f(l) - (Kt::kQuant ? Kt::kLog2P : 0.f)) * 0.69314718055994530942f
+                        : -CUDART_INF_F;
     }
   }
 }

@@ -27,21 +27,12 @@
 
 namespace {
 
-// A pack block stages kPackKeys keys: the whole tile for 1-byte elements, half of it for bf16 (a 128-key
-// bf16 tile would need 68 KB, past the 48 KB of static shared memory): blockIdx.x = tile * kPackParts + part.
-constexpr int kPackKeys = kQuant ? kBN : kBN / 2;
-constexpr int kPackParts = kBN / kPackKeys;
-constexpr int kStRow = kQKRow + 16;
-constexpr int kPackOffK = 0;
-constexpr int kPackOffV = kPackOffK + kPackKeys * kStRow;
-constexpr int kPackOffKs = kPackOffV + kPackKeys * kVRow;
-constexpr int kPackSmem = kPackOffKs + kPackKeys * 4;
-
 // Position q (0..kBN-1) of the FP8 V^T tile's reduction dimension holds key kv_key(q): inside each 16,
 // q = 4c + e holds key 2c + e (e < 2) or 8 + 2c + e - 2 (e >= 2), matching the keys a thread holds in
 // the S accumulator (columns 2c, 2c+1 of two consecutive 8-column groups).
+template <class Kt>
 __device__ __forceinline__ int kv_key(int q) {
-  if constexpr (kQuant) {
+  if constexpr (Kt::kQuant) {
     const int r = q & 15, c = r >> 2, e = r & 3;
     return (q & ~15) | (e < 2 ? 2 * c + e : 8 + 2 * c + e - 2);
   } else {
@@ -65,12 +56,13 @@ __device__ __forceinline__ uint4 k4_block_to_s8(uint2 packed, uint32_t b) {
 // kCompMma: key `key`'s row of a digit image (32-byte swizzle): the term c (|c| <= kCompDigitLimit, in units
 // of the INT8 QK product) as python/mpfa/recipes/int8.py compensation_digits writes it: e_0 = c - 127 hi for
 // hi = floor((c + 63) / 127), then |hi| as whole 127s and a remainder, with hi's sign.
+template <class Kt>
 __device__ __forceinline__ void write_digits(uint8_t* img, int key, int c) {
   const int hi = (c + 63 >= 0 ? c + 63 : c + 63 - 126) / 127;   // floor division
   const int m = abs(hi), sign = hi < 0 ? -1 : 1;
-  uint32_t w[kCdRow / 4];
+  uint32_t w[Kt::kCdRow / 4];
 #pragma unroll
-  for (int q = 0; q < kCdRow / 4; ++q) {
+  for (int q = 0; q < Kt::kCdRow / 4; ++q) {
     uint32_t word = 0u;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -81,73 +73,83 @@ __device__ __forceinline__ void write_digits(uint8_t* img, int key, int c) {
     w[q] = word;
   }
 #pragma unroll
-  for (int c16 = 0; c16 < kCdRow / 16; ++c16)
-    *reinterpret_cast<uint4*>(img + mpfa::wg::swizzle<kCdRow>(key * kCdRow + 16 * c16)) =
+  for (int c16 = 0; c16 < Kt::kCdRow / 16; ++c16)
+    *reinterpret_cast<uint4*>(img + mpfa::wg::swizzle<Kt::kCdRow>(key * Kt::kCdRow + 16 * c16)) =
         make_uint4(w[4 * c16], w[4 * c16 + 1], w[4 * c16 + 2], w[4 * c16 + 3]);
 }
 
-__global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const PrefillParams p, float score_scale) {
+template <class Cfg>
+__global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
+    kv_pack_kernel(const PrefillParams p, float score_scale) {
+  using Kt = PrefillTraits<Cfg>;
+  // The block's kPackKeys keys (kernel_traits.cuh) staged: K rows padded to kStRow bytes, raw V rows, K scales.
+  constexpr int kStRow = Kt::kQKRow + 16;
+  constexpr int kPackOffK = 0;
+  constexpr int kPackOffV = kPackOffK + Kt::kPackKeys * kStRow;
+  constexpr int kPackOffKs = kPackOffV + Kt::kPackKeys * Kt::kVRow;
+  constexpr int kPackSmem = kPackOffKs + Kt::kPackKeys * 4;
   __shared__ __align__(16) uint8_t st[kPackSmem];
   float* ks = reinterpret_cast<float*>(st + kPackOffKs);
-  const int i = blockIdx.x / kPackParts, part = blockIdx.x % kPackParts, hk = blockIdx.y, tid = threadIdx.x;
+  const int i = blockIdx.x / Kt::kPackParts, part = blockIdx.x % Kt::kPackParts;
+  const int hk = blockIdx.y, tid = threadIdx.x;
   const int b = p.kvt_req[i], t = p.kvt_idx[i];
   int page_begin;
-  const int kv_len = kv_length(p, b, &page_begin);
-  const int key0 = part * kPackKeys;                 // first key of the tile this block stages
-  const int valid = min(kPackKeys, kv_len - t * kBN - key0);
+  const int kv_len = kv_length<Kt>(p, b, &page_begin);
+  const int key0 = part * Kt::kPackKeys;                 // first key of the tile this block stages
+  const int valid = min(Kt::kPackKeys, kv_len - t * Kt::kBN - key0);
   const int64_t img = int64_t(i) * p.num_kv_heads + hk;
   auto row_of = [&](int key) -> int64_t {   // (page, head, slot) row of the staged key `key`
-    const int j = t * kBN + key0 + key;
-    const int64_t page = p.indices[page_begin + j / kPageSize];
-    return (page * p.num_kv_heads + hk) * kPageSize + (j % kPageSize);
+    const int j = t * Kt::kBN + key0 + key;
+    const int64_t page = p.indices[page_begin + j / Kt::kPageSize];
+    return (page * p.num_kv_heads + hk) * Kt::kPageSize + (j % Kt::kPageSize);
   };
 
-  constexpr int kKUnits = kPackKeys * (kQKRow / 16);
-  for (int u = tid; u < kKUnits; u += kPackThreads) {
-    const int key = u / (kQKRow / 16), c16 = u % (kQKRow / 16);
+  constexpr int kKUnits = Kt::kPackKeys * (Kt::kQKRow / 16);
+  for (int u = tid; u < kKUnits; u += Kt::kPackThreads) {
+    const int key = u / (Kt::kQKRow / 16), c16 = u % (Kt::kQKRow / 16);
     uint4 w = make_uint4(0u, 0u, 0u, 0u);
     if (key < valid) {
       const int64_t row = row_of(key);
-      if constexpr (Layout::kSplitK) {
+      if constexpr (Kt::Layout::kSplitK) {
         // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
-        const int idx = mpfa::split_k_index<kHeadDim>(16 * c16);   // within its half
-        if (mpfa::split_k_low<kHeadDim>(16 * c16))
-          w = *reinterpret_cast<const uint4*>(p.k8 + row * kK8Row + idx);
+        const int idx = mpfa::split_k_index<Kt::kHeadDim>(16 * c16);   // within its half
+        if (mpfa::split_k_low<Kt::kHeadDim>(16 * c16))
+          w = *reinterpret_cast<const uint4*>(p.k8 + row * Kt::kK8Row + idx);
         else
-          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * kKRow + idx / 2),
-                             uint32_t(p.k_block_scale[row * kBsRow + idx / 16]));
+          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * Kt::kKRow + idx / 2),
+                             uint32_t(p.k_block_scale[row * Kt::kBsRow + idx / 16]));
       } else {
-        w = *reinterpret_cast<const uint4*>(p.k + row * kKRow + 16 * c16);
+        w = *reinterpret_cast<const uint4*>(p.k + row * Kt::kKRow + 16 * c16);
       }
     }
     *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
   }
-  constexpr int kVUnits = kPackKeys * (kVRow / 16);
-  for (int u = tid; u < kVUnits; u += kPackThreads) {
-    const int key = u / (kVRow / 16), c16 = u % (kVRow / 16);
+  constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
+  for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
+    const int key = u / (Kt::kVRow / 16), c16 = u % (Kt::kVRow / 16);
     uint4 w = make_uint4(0u, 0u, 0u, 0u);
-    if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * kVRow + 16 * c16);
-    *reinterpret_cast<uint4*>(st + kPackOffV + key * kVRow + 16 * c16) = w;
+    if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * Kt::kVRow + 16 * c16);
+    *reinterpret_cast<uint4*>(st + kPackOffV + key * Kt::kVRow + 16 * c16) = w;
   }
-  if (kQuant && tid < kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
+  if (Kt::kQuant && tid < Kt::kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
   __syncthreads();
   // kTileScale: the staged INT8 rows requantized to the tile's largest token scale s_T, byte for byte as
   // python/mpfa/recipes/int8.py requantize_k_tile (rni(k * (s_j / s_T))); a non-finite key (NaN scale) makes
   // s_T, and so its whole tile, NaN.
   __shared__ float tile_scale;
-  constexpr bool uniform = uniform_k_tiles();
+  constexpr bool uniform = Kt::kUniformK;
   if constexpr (uniform) {
     if (tid < 32) {
       float m = 0.f;
-      for (int k = tid; k < kPackKeys; k += 32) m = mpfa::max_nan(m, ks[k]);
+      for (int k = tid; k < Kt::kPackKeys; k += 32) m = mpfa::max_nan(m, ks[k]);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) m = mpfa::max_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
       if (tid == 0) tile_scale = m;
     }
     __syncthreads();
     const float s_t = tile_scale;
-    for (int u = tid; u < kPackKeys * (kQKRow / 4); u += kPackThreads) {
-      const int key = u / (kQKRow / 4), c4 = u % (kQKRow / 4);
+    for (int u = tid; u < Kt::kPackKeys * (Kt::kQKRow / 4); u += Kt::kPackThreads) {
+      const int key = u / (Kt::kQKRow / 4), c4 = u % (Kt::kQKRow / 4);
       uint32_t* wp = reinterpret_cast<uint32_t*>(st + kPackOffK + key * kStRow + 4 * c4);
       const uint32_t w = *wp;
       const float r = s_t == 0.f ? 0.f : __fdiv_rn(ks[key], s_t);   // <= 1 (NaN with s_T): no clamp needed
@@ -161,25 +163,26 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const PrefillPara
 
   // K image: image chunk o holds (row, column) = swizzle(o) of its column block (an involution; the
   // swizzle stays inside a row, so this block's keys are kPackKeys whole rows of each column block).
-  uint8_t* kimg = p.k_img + img * kImgK;
-  constexpr int kRowChunks = kPackKeys * kW / 16;    // 16-byte chunks of this block's rows in one column block
-  for (int u = tid; u < (kQKRow / kW) * kRowChunks; u += kPackThreads) {
+  uint8_t* kimg = p.k_img + img * Kt::kImgK;
+  constexpr int kRowChunks = Kt::kPackKeys * Kt::kW / 16;    // 16-byte chunks of this block's rows in one column block
+  for (int u = tid; u < (Kt::kQKRow / Kt::kW) * kRowChunks; u += Kt::kPackThreads) {
     const int cb = u / kRowChunks;
-    const int o = cb * (kBN * kW) + key0 * kW + 16 * (u % kRowChunks);
-    const int l = mpfa::wg::swizzle<kW>(o % (kBN * kW));
-    const int key = l / kW - key0, col = cb * kW + l % kW;
+    const int o = cb * (Kt::kBN * Kt::kW) + key0 * Kt::kW + 16 * (u % kRowChunks);
+    const int l = mpfa::wg::swizzle<Kt::kW>(o % (Kt::kBN * Kt::kW));
+    const int key = l / Kt::kW - key0, col = cb * Kt::kW + l % Kt::kW;
     *reinterpret_cast<uint4*>(kimg + o) = *reinterpret_cast<const uint4*>(st + kPackOffK + key * kStRow + col);
   }
   // V^T image (channels x keys), keys permuted by kv_key for FP8.
-  uint8_t* vimg = p.v_img + img * kImgV;
+  uint8_t* vimg = p.v_img + img * Kt::kImgV;
   const uint8_t* rawv = st + kPackOffV;
-  if constexpr (kQuant) {
-    constexpr int kUnits = (kHeadDim / 4) * (kBN / 16);   // 4 channels x 16 positions
-    for (int u = tid; u < kUnits; u += kPackThreads) {
-      const int d0 = 4 * (u % (kHeadDim / 4)), blk = u / (kHeadDim / 4);
+  if constexpr (Kt::kQuant) {
+    constexpr int kUnits = (Kt::kHeadDim / 4) * (Kt::kBN / 16);   // 4 channels x 16 positions
+    for (int u = tid; u < kUnits; u += Kt::kPackThreads) {
+      const int d0 = 4 * (u % (Kt::kHeadDim / 4)), blk = u / (Kt::kHeadDim / 4);
       uint32_t w[16];
 #pragma unroll
-      for (int q = 0; q < 16; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + kv_key(16 * blk + q) * kVRow + d0);
+      for (int q = 0; q < 16; ++q)
+        w[q] = *reinterpret_cast<const uint32_t*>(rawv + kv_key<Kt>(16 * blk + q) * Kt::kVRow + d0);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t o[4];
@@ -189,17 +192,17 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const PrefillPara
           const uint32_t t23 = __byte_perm(w[4 * q + 2], w[4 * q + 3], c | ((4 + c) << 4));
           o[q] = __byte_perm(t01, t23, 0x5410);
         }
-        *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0 + c, 16 * blk, kHeadDim)) =
+        *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0 + c, 16 * blk, Kt::kHeadDim)) =
             make_uint4(o[0], o[1], o[2], o[3]);
       }
     }
   } else {
-    constexpr int kUnits = (kHeadDim / 2) * (kPackKeys / 8);    // 2 channels x 8 keys
-    for (int u = tid; u < kUnits; u += kPackThreads) {
-      const int d0 = 2 * (u % (kHeadDim / 2)), blk = u / (kHeadDim / 2);   // 8-key group of the staged keys
+    constexpr int kUnits = (Kt::kHeadDim / 2) * (Kt::kPackKeys / 8);    // 2 channels x 8 keys
+    for (int u = tid; u < kUnits; u += Kt::kPackThreads) {
+      const int d0 = 2 * (u % (Kt::kHeadDim / 2)), blk = u / (Kt::kHeadDim / 2);   // 8-key group of the staged keys
       uint32_t w[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + (8 * blk + q) * kVRow + 2 * d0);
+      for (int q = 0; q < 8; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + (8 * blk + q) * Kt::kVRow + 2 * d0);
       uint32_t lo[4], hi[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
@@ -207,25 +210,25 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const PrefillPara
         hi[q] = __byte_perm(w[2 * q], w[2 * q + 1], 0x7632);
       }
       const int col = 2 * key0 + 16 * blk;                // byte column of the V^T row (2 bytes a key)
-      *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0, col, kHeadDim)) =
+      *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0, col, Kt::kHeadDim)) =
           make_uint4(lo[0], lo[1], lo[2], lo[3]);
-      *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0 + 1, col, kHeadDim)) =
+      *reinterpret_cast<uint4*>(vimg + mpfa::wg::tile_offset<128>(d0 + 1, col, Kt::kHeadDim)) =
           make_uint4(hi[0], hi[1], hi[2], hi[3]);
     }
   }
-  if constexpr (kQuant) {
-    if (tid < kBN) p.fa[img * kBN + fac_pos(tid)] = (uniform ? tile_scale : ks[tid]) * score_scale;
+  if constexpr (Kt::kQuant) {
+    if (tid < Kt::kBN) p.fa[img * Kt::kBN + fac_pos(tid)] = (uniform ? tile_scale : ks[tid]) * score_scale;
     // Compensation: fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * score_scale for the group's heads.
-    if (p.fb != nullptr || comp_digits(p)) {
-      const int key = tid % kBN;
+    if (p.fb != nullptr || comp_digits<Kt>(p)) {
+      const int key = tid % Kt::kBN;
       const int group = p.num_qo_heads / p.num_kv_heads;
       const uint8_t* krow = st + kPackOffK + key * kStRow;
-      for (int gi = tid / kBN; gi < group; gi += kPackThreads / kBN) {
+      for (int gi = tid / Kt::kBN; gi < group; gi += Kt::kPackThreads / Kt::kBN) {
         const int hq = hk * group + gi;
-        const float* m = p.mu + (int64_t(b) * p.num_qo_heads + hq) * kHeadDim;
+        const float* m = p.mu + (int64_t(b) * p.num_qo_heads + hq) * Kt::kHeadDim;
         float dot = 0.f;
 #pragma unroll 2
-        for (int c16 = 0; c16 < kHeadDim / 16; ++c16) {
+        for (int c16 = 0; c16 < Kt::kHeadDim / 16; ++c16) {
           const uint4 w4 = *reinterpret_cast<const uint4*>(krow + 16 * c16);
           const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
@@ -236,12 +239,14 @@ __global__ void __launch_bounds__(kPackThreads) kv_pack_kernel(const PrefillPara
               dot = fmaf(mc[e], static_cast<float>(static_cast<int8_t>(w[q] >> (8 * e))), dot);
           }
         }
-        if (comp_digits(p)) {   // the digits instead of fb (the main kernel reads one or the other); a NaN scale
+        if (comp_digits<Kt>(p)) {   // the digits instead of fb (the main kernel reads one or the other); a NaN scale
           // (non-finite Q) leaves the digits unspecified: its rows are NaN anyway
-          const float c = __fdiv_rn(dot, head_q_scale(p, b, hq));
-          write_digits(p.cd_img + (int64_t(i) * p.num_qo_heads + hq) * kImgCd, key, isnan(c) ? 0 : __float2int_rn(c));
+          const float c = __fdiv_rn(dot, head_q_scale<Kt>(p, b, hq));
+          write_digits<Kt>(p.cd_img + (int64_t(i) * p.num_qo_heads + hq) * Kt::kImgCd, key,
+                           isnan(c) ? 0 : __float2int_rn(c));
         } else {
-          p.fb[(int64_t(i) * p.num_qo_heads + hq) * kBN + fac_pos(key)] = dot * (uniform ? tile_scale : ks[key]) * score_scale;
+          p.fb[(int64_t(i) * p.num_qo_heads + hq) * Kt::kBN + fac_pos(key)] =
+              dot * (uniform ? tile_scale : ks[key]) * score_scale;
         }
       }
     }

@@ -14,13 +14,15 @@
 
 namespace {
 
-__global__ void __launch_bounds__(kPackThreads) q_sum_kernel(const PrefillParams p) {
+template <class Cfg>
+__global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads) q_sum_kernel(const PrefillParams p) {
+  using Kt = PrefillTraits<Cfg>;
   const int x = blockIdx.x, b = blockIdx.y, batch = gridDim.y;
   const int q0 = p.qo_indptr[b], n = p.qo_indptr[b + 1] - q0;
-  const int r0 = x * kMuRows, r1 = min(n, r0 + kMuRows);
-  constexpr int kUnitsPerHead = kHeadDim / 8;
+  const int r0 = x * Kt::kMuRows, r1 = min(n, r0 + Kt::kMuRows);
+  constexpr int kUnitsPerHead = Kt::kHeadDim / 8;
   const int units = p.num_qo_heads * kUnitsPerHead;
-  for (int u = threadIdx.x; u < units; u += kPackThreads) {
+  for (int u = threadIdx.x; u < units; u += Kt::kPackThreads) {
     const int h = u / kUnitsPerHead, ch = 8 * (u % kUnitsPerHead);
     const __nv_bfloat16* src = p.q + int64_t(q0) * p.q_stride_t + int64_t(h) * p.q_stride_h + ch;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -40,22 +42,24 @@ __global__ void __launch_bounds__(kPackThreads) q_sum_kernel(const PrefillParams
         }
       }
     }
-    float* dst = p.mu_part + ((int64_t(x) * batch + b) * p.num_qo_heads + h) * kHeadDim + ch;
+    float* dst = p.mu_part + ((int64_t(x) * batch + b) * p.num_qo_heads + h) * Kt::kHeadDim + ch;
     *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
 }
 
-__global__ void __launch_bounds__(kHeadDim) q_mean_kernel(const PrefillParams p) {
+template <class Cfg>
+__global__ void __launch_bounds__(PrefillTraits<Cfg>::kHeadDim) q_mean_kernel(const PrefillParams p) {
+  using Kt = PrefillTraits<Cfg>;
   const int b = blockIdx.x, h = blockIdx.y, batch = gridDim.x, d = threadIdx.x;
   const int n = p.qo_indptr[b + 1] - p.qo_indptr[b];
-  const int used = min(p.mu_blocks, (n + kMuRows - 1) / kMuRows);
+  const int used = min(p.mu_blocks, (n + Kt::kMuRows - 1) / Kt::kMuRows);
   float t = 0.f;
-  for (int x = 0; x < used; ++x) t += p.mu_part[((int64_t(x) * batch + b) * p.num_qo_heads + h) * kHeadDim + d];
+  for (int x = 0; x < used; ++x) t += p.mu_part[((int64_t(x) * batch + b) * p.num_qo_heads + h) * Kt::kHeadDim + d];
   const float mu = n > 0 ? t / float(n) : 0.f;
-  p.mu[(int64_t(b) * p.num_qo_heads + h) * kHeadDim + d] = mu;
+  p.mu[(int64_t(b) * p.num_qo_heads + h) * Kt::kHeadDim + d] = mu;
   if (p.q_head != nullptr) {
-    __shared__ float warp_l1[kHeadDim / 32];
+    __shared__ float warp_l1[Kt::kHeadDim / 32];
     float l1 = fabsf(mu);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) l1 += __shfl_xor_sync(0xffffffffu, l1, off);
@@ -64,7 +68,7 @@ __global__ void __launch_bounds__(kHeadDim) q_mean_kernel(const PrefillParams p)
     if (d == 0) {
       float s = 0.f;
 #pragma unroll
-      for (int w = 0; w < kHeadDim / 32; ++w) s += warp_l1[w];
+      for (int w = 0; w < Kt::kHeadDim / 32; ++w) s += warp_l1[w];
       float* qh = p.q_head + (int64_t(b) * p.num_qo_heads + h) * 2;
       qh[0] = 0.f;   // q_amax_kernel's atomicMax starts from it
       qh[1] = s;
@@ -74,20 +78,22 @@ __global__ void __launch_bounds__(kHeadDim) q_mean_kernel(const PrefillParams p)
 
 // amax over request b's rows r0.. of |Q - mu_Q| per head into q_head[b, h, 0] (atomicMax on the bits of a
 // non-negative float; a NaN's bits are above every finite one, so a NaN wins as mpfa::max_nan would).
-__global__ void __launch_bounds__(kPackThreads) q_amax_kernel(const PrefillParams p) {
+template <class Cfg>
+__global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads) q_amax_kernel(const PrefillParams p) {
+  using Kt = PrefillTraits<Cfg>;
   const int x = blockIdx.x, b = blockIdx.y;
   const int q0 = p.qo_indptr[b], n = p.qo_indptr[b + 1] - q0;
-  const int r0 = x * kMuRows, r1 = min(n, r0 + kMuRows);
+  const int r0 = x * Kt::kMuRows, r1 = min(n, r0 + Kt::kMuRows);
   if (r0 >= r1) return;
-  constexpr int kUnitsPerHead = kHeadDim / 8;   // consecutive lanes of one warp: the shuffles below reduce them
+  constexpr int kUnitsPerHead = Kt::kHeadDim / 8;   // consecutive lanes of one warp: the shuffles below reduce them
   const int units = p.num_qo_heads * kUnitsPerHead;
-  for (int u0 = 0; u0 < units; u0 += kPackThreads) {   // uniform trip count: every lane reaches the shuffles
+  for (int u0 = 0; u0 < units; u0 += Kt::kPackThreads) {   // uniform trip count: every lane reaches the shuffles
     const int u = u0 + threadIdx.x;
     const bool valid = u < units;
     const int h = valid ? u / kUnitsPerHead : 0, ch = 8 * (u % kUnitsPerHead);
     float amax = 0.f;
     if (valid) {
-      const float* mu = p.mu + (int64_t(b) * p.num_qo_heads + h) * kHeadDim + ch;
+      const float* mu = p.mu + (int64_t(b) * p.num_qo_heads + h) * Kt::kHeadDim + ch;
       const float4 m0 = *reinterpret_cast<const float4*>(mu), m1 = *reinterpret_cast<const float4*>(mu + 4);
       const float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
       const __nv_bfloat16* src = p.q + int64_t(q0) * p.q_stride_t + int64_t(h) * p.q_stride_h + ch;

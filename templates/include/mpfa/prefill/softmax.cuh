@@ -19,17 +19,19 @@
 namespace {
 
 // Running state of the thread's two rows.
+template <class Kt>
 struct SoftmaxRows {
   float m_run[2];   // running maxima (scaled scores, log2 domain)
   float l_run[2];   // running sums of P over the thread's columns (times 2^kLog2P for FP8)
   float base[2];    // what the current tile's exp2 subtracts
-  // kTileScale: a = the tile's one scale times sq. Without compensation (raw) the scores stay the MMA's integers
-  // S through the row maxima T, then become x = kRoundMagic + (S - T) (exact) and exp2 takes fma(x, a, c[h]).
+  // Kt::kUniformK (tile_scale, kernel_traits.cuh): a = the tile's one scale times sq. Without compensation (raw)
+  // the scores stay the MMA's integers S through the row maxima T, then become x = kRoundMagic + (S - T) (exact)
+  // and exp2 takes fma(x, a, c[h]).
   // kCompMma builds: with compensation the MMA added each key's term to S (mainloop.cuh issue_qk), so every tile
   // is raw.
   bool raw;
   float a, c[2];
-  __device__ __forceinline__ bool raw_tile() const { return kQuant && kTileScale && raw; }
+  __device__ __forceinline__ bool raw_tile() const { return Kt::kUniformK && raw; }
 };
 
 // What the mask needs of the thread's rows and the item.
@@ -42,18 +44,20 @@ struct MaskRows {
 };
 
 // Without compensation the softmax adds fb = 0 rather than branching: every stage's fb vector is zeroed once.
+template <class Kt>
 __device__ __forceinline__ void zero_fb(const PrefillParams& p, uint8_t* smem, int ct) {
-  if (kQuant && p.fb == nullptr) {
-    float* fb_all = reinterpret_cast<float*>(smem + kOffFb);
-    for (int i = ct; i < kStages * kBN; i += kConsumers) fb_all[i] = 0.f;
+  if (Kt::kQuant && p.fb == nullptr) {
+    float* fb_all = reinterpret_cast<float*>(smem + Kt::kOffFb);
+    for (int i = ct; i < Kt::kStages * Kt::kBN; i += Kt::kConsumers) fb_all[i] = 0.f;
   }
 }
 
 // Masks the thread's scores of keys past the request's length or, causal, past each row's diagonal with `value`.
-__device__ __forceinline__ void mask_scores(const PrefillParams& p, const MaskRows& mr, int key0, float (&sc)[kSRegs],
-                                            float value) {
+template <class Kt>
+__device__ __forceinline__ void mask_scores(const PrefillParams& p, const MaskRows& mr, int key0,
+                                            float (&sc)[Kt::kSRegs], float value) {
 #pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
+  for (int j = 0; j < Kt::kBN / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int key = key0 + 8 * j + 2 * mr.c + (e & 1);
@@ -71,13 +75,14 @@ __device__ __forceinline__ T score_as(float x) {
   if constexpr (std::is_same<T, int>::value) return __float_as_int(x);
   else return x;
 }
-template <typename T>
-__device__ __forceinline__ void row_maxima(const float (&sc)[kSRegs], T lowest, T (&mx)[2]) {
+template <class Kt, typename T>
+__device__ __forceinline__ void row_maxima(const float (&sc)[Kt::kSRegs], T lowest, T (&mx)[2]) {
   T mp[2][4];
 #pragma unroll
   for (int k = 0; k < 8; ++k) mp[k / 4][k % 4] = lowest;
 #pragma unroll
-  for (int i = 0; i < kSRegs; ++i) mp[(i >> 1) & 1][(i >> 2) & 3] = max(mp[(i >> 1) & 1][(i >> 2) & 3], score_as<T>(sc[i]));
+  for (int i = 0; i < Kt::kSRegs; ++i)
+    mp[(i >> 1) & 1][(i >> 2) & 3] = max(mp[(i >> 1) & 1][(i >> 2) & 3], score_as<T>(sc[i]));
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     T m = max(max(mp[h][0], mp[h][1]), max(mp[h][2], mp[h][3]));
@@ -89,11 +94,12 @@ __device__ __forceinline__ void row_maxima(const float (&sc)[kSRegs], T lowest, 
 // The row maxima and their bookkeeping, once the tile's maxima mx (scaled scores) are known: m_run advances,
 // corr rescales l_run (and O, by the caller). Returns the reference the tile's exponents subtract (m_run, or 0
 // while every score so far is masked).
-__device__ __forceinline__ float advance_max(SoftmaxRows& st, float (&corr)[2], int h, float mx) {
+template <class Kt>
+__device__ __forceinline__ float advance_max(SoftmaxRows<Kt>& st, float (&corr)[2], int h, float mx) {
   const float m_new = fmaxf(st.m_run[h], mx);
   const float m_ref = m_new == -CUDART_INF_F ? 0.f : m_new;
   corr[h] = mpfa::ex2(st.m_run[h] - m_ref);            // 0 while m_run was -inf (o, l are 0 then)
-  st.base[h] = kQuant ? m_ref - kLog2P : m_ref;
+  st.base[h] = Kt::kQuant ? m_ref - Kt::kLog2P : m_ref;
   st.m_run[h] = m_new;
   st.l_run[h] *= corr[h];
   return m_ref;
@@ -107,12 +113,14 @@ __device__ __forceinline__ float advance_max(SoftmaxRows& st, float (&corr)[2], 
 // argument fma(kRoundMagic, a, c) is kLog2P exactly: P and l agree on the row's largest term as the
 // reference's do. (Taking the maxima on kRoundMagic + S instead leaves c = kLog2P - x_max * a rounded to the
 // ulp of kRoundMagic * a, ~a, and a row dominated by one key off by that: 3.4e-3 rel-L2 on the H200 tests.)
-__device__ __forceinline__ void softmax_max_raw(const PrefillParams& p, float (&sc)[kSRegs], SoftmaxRows& st,
-                                                float (&corr)[2], bool need_mask, int key0, const MaskRows& mr) {
+template <class Kt>
+__device__ __forceinline__ void softmax_max_raw(const PrefillParams& p, float (&sc)[Kt::kSRegs],
+                                                SoftmaxRows<Kt>& st, float (&corr)[2], bool need_mask, int key0,
+                                                const MaskRows& mr) {
   constexpr int kMasked = INT_MIN;
-  if (need_mask) mask_scores(p, mr, key0, sc, __int_as_float(kMasked));
+  if (need_mask) mask_scores<Kt>(p, mr, key0, sc, __int_as_float(kMasked));
   int row_max[2];
-  row_maxima(sc, kMasked, row_max);
+  row_maxima<Kt>(sc, kMasked, row_max);
   // A NaN scale (a non-finite key in the tile) reaches the rows that see a key of the tile through c (NaN),
   // not through a: fma(-inf, NaN, c) would be NaN for the masked scores of rows that see none.
   const bool a_nan = isnan(st.a);
@@ -122,53 +130,55 @@ __device__ __forceinline__ void softmax_max_raw(const PrefillParams& p, float (&
   for (int h = 0; h < 2; ++h) {
     const int mx = row_max[h];
     const float m_tile = mx == kMasked ? -CUDART_INF_F : a_nan ? CUDART_NAN_F : __int2float_rn(mx) * st.a;   // exact int
-    const float m_ref = advance_max(st, corr, h, m_tile);
-    st.c[h] = __fsub_rn(__fadd_rn(m_tile - m_ref, kLog2P), __fmul_rn(mpfa::kRoundMagic, st.a));
+    const float m_ref = advance_max<Kt>(st, corr, h, m_tile);
+    st.c[h] = __fsub_rn(__fadd_rn(m_tile - m_ref, Kt::kLog2P), __fmul_rn(mpfa::kRoundMagic, st.a));
     off[h] = mpfa::kRoundMagicBits - uint32_t(mx);   // a row with every key masked: re-masked below
   }
 #pragma unroll
-  for (int i = 0; i < kSRegs; ++i) sc[i] = __uint_as_float(__float_as_uint(sc[i]) + off[(i >> 1) & 1]);
+  for (int i = 0; i < Kt::kSRegs; ++i) sc[i] = __uint_as_float(__float_as_uint(sc[i]) + off[(i >> 1) & 1]);
   // A masked score became kMasked + off: a negative float (unmasked ones are near +kRoundMagic).
   if (need_mask) {
 #pragma unroll
-    for (int i = 0; i < kSRegs; ++i) sc[i] = __float_as_int(sc[i]) < 0 ? -CUDART_INF_F : sc[i];
+    for (int i = 0; i < Kt::kSRegs; ++i) sc[i] = __float_as_int(sc[i]) < 0 ? -CUDART_INF_F : sc[i];
   }
 }
 
 // Phase 1 for the tile of keys key0.. in ring stage s (its fa / fb vectors); sq: the Q tile's scale; score_scale
 // (bf16): sm_scale * log2(e).
-__device__ __forceinline__ void softmax_max(const PrefillParams& p, float score_scale, float (&sc)[kSRegs],
-                                            SoftmaxRows& st, float (&corr)[2], const uint8_t* smem, int s, int key0,
-                                            const MaskRows& mr, float sq) {
+template <class Kt>
+__device__ __forceinline__ void softmax_max(const PrefillParams& p, float score_scale, float (&sc)[Kt::kSRegs],
+                                            SoftmaxRows<Kt>& st, float (&corr)[2], const uint8_t* smem, int s,
+                                            int key0, const MaskRows& mr, float sq) {
   const int c = mr.c;
-  const bool need_mask = key0 + kBN > mr.kv_len || (p.causal && key0 + kBN - 1 > mr.wg_first_row + mr.diag);
-  const float* fa = reinterpret_cast<const float*>(smem + kOffFa + s * kFac);
-  const float* fb = reinterpret_cast<const float*>(smem + kOffFb + s * kFac);
-  if constexpr (uniform_k_tiles()) {
+  const bool need_mask =
+      key0 + Kt::kBN > mr.kv_len || (p.causal && key0 + Kt::kBN - 1 > mr.wg_first_row + mr.diag);
+  const float* fa = reinterpret_cast<const float*>(smem + Kt::kOffFa + s * Kt::kFac);
+  const float* fb = reinterpret_cast<const float*>(smem + Kt::kOffFb + s * Kt::kFac);
+  if constexpr (Kt::kUniformK) {
     // One scale for the whole tile (kv_pack wrote s_T * score_scale as every key's fa), rounded to 22
     // significant bits (a relative change below 2^-22) for softmax_max_raw's exact maximum. A zero Q tile
     // takes the smallest normal instead: masked -inf must stay -inf (-inf * 0 is NaN).
     const float a = fa[0] * sq;
     st.a = __uint_as_float(__float_as_uint(a == 0.f ? __int_as_float(0x00800000) : a) & ~3u);
-    st.raw = kCompMma || p.fb == nullptr;   // comp_mma: the MMA added each key's term, or there is none
+    st.raw = Kt::kCompMma || p.fb == nullptr;   // comp_mma: the MMA added each key's term, or there is none
     if (st.raw_tile()) {
-      softmax_max_raw(p, sc, st, corr, need_mask, key0, mr);
+      softmax_max_raw<Kt>(p, sc, st, corr, need_mask, key0, mr);
       return;
     }
   }
 #pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    if constexpr (kQuant) {
+  for (int j = 0; j < Kt::kBN / 8; ++j) {
+    if constexpr (Kt::kQuant) {
       float2 a2, b2;   // b2: zeros without compensation
       // one 16-byte load serves groups j and j + 1
       const int at = (j >> 1) * 16 + 4 * c;   // = fac_pos(8 * (j & ~1) + 2 * c), c < 4 known here
       const float4 b4 = *reinterpret_cast<const float4*>(fb + at);
       b2 = (j & 1) ? make_float2(b4.z, b4.w) : make_float2(b4.x, b4.y);
-      if constexpr (!uniform_k_tiles()) {
+      if constexpr (!Kt::kUniformK) {
         const float4 a4 = *reinterpret_cast<const float4*>(fa + at);
         a2 = (j & 1) ? make_float2(a4.z, a4.w) : make_float2(a4.x, a4.y);
       }
-      if constexpr (uniform_k_tiles()) {
+      if constexpr (Kt::kUniformK) {
         a2 = make_float2(st.a, st.a);
       } else {
         a2.x *= sq; a2.y *= sq;
@@ -193,24 +203,24 @@ __device__ __forceinline__ void softmax_max(const PrefillParams& p, float score_
   }
   // Only the tiles on the diagonal or past the length pay for the mask (a branch, not predication:
   // the mask's compares and selects would double the softmax's instructions if run on every tile).
-  if (need_mask) mask_scores(p, mr, key0, sc, -CUDART_INF_F);
+  if (need_mask) mask_scores<Kt>(p, mr, key0, sc, -CUDART_INF_F);
   float row_max[2];
-  row_maxima(sc, -CUDART_INF_F, row_max);
+  row_maxima<Kt>(sc, -CUDART_INF_F, row_max);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    advance_max(st, corr, h, row_max[h]);
+    advance_max<Kt>(st, corr, h, row_max[h]);
   }
 }
 
 // Phase 2: sc becomes P (fp32, scaled by 2^kLog2P for FP8); l_run sums it. kRaw: the x of a kTileScale tile
 // (softmax_max_raw).
-template <bool kRaw>
-__device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxRows& st) {
+template <class Kt, bool kRaw>
+__device__ __forceinline__ void softmax_exp_scores(float (&sc)[Kt::kSRegs], SoftmaxRows<Kt>& st) {
   float lp[2][4];   // 4 independent sums per row, as for the maxima
 #pragma unroll
   for (int k = 0; k < 8; ++k) lp[k / 4][k % 4] = 0.f;
 #pragma unroll
-  for (int i = 0; i < kSRegs; ++i) {
+  for (int i = 0; i < Kt::kSRegs; ++i) {
     const float x = kRaw ? fmaf(sc[i], st.a, st.c[(i >> 1) & 1]) : sc[i] - st.base[(i >> 1) & 1];
     const float pr = mpfa::ex2(x);
     lp[(i >> 1) & 1][(i >> 2) & 3] += pr;
@@ -220,18 +230,20 @@ __device__ __forceinline__ void softmax_exp_scores(float (&sc)[kSRegs], SoftmaxR
   for (int h = 0; h < 2; ++h) st.l_run[h] += (lp[h][0] + lp[h][1]) + (lp[h][2] + lp[h][3]);
 }
 
-__device__ __forceinline__ void softmax_exp(float (&sc)[kSRegs], SoftmaxRows& st) {
-  if (st.raw_tile()) softmax_exp_scores<true>(sc, st);
-  else softmax_exp_scores<false>(sc, st);
+template <class Kt>
+__device__ __forceinline__ void softmax_exp(float (&sc)[Kt::kSRegs], SoftmaxRows<Kt>& st) {
+  if (st.raw_tile()) softmax_exp_scores<Kt, true>(sc, st);
+  else softmax_exp_scores<Kt, false>(sc, st);
 }
 
 // P -> the PV MMA's A fragments. FP8: the accumulator -> A-fragment mismatch (a thread holds keys 2c, 2c+1,
 // 8+2c, 9+2c of each 16, the e4m3 A fragment wants 4c..4c+3) is absorbed by the key permutation of the V^T
 // image (prepass_kv_pack.cuh kv_key), so P packs with no shuffles.
-__device__ __forceinline__ void pack_p(const float (&sc)[kSRegs], uint32_t (&pa)[kPK][4]) {
+template <class Kt>
+__device__ __forceinline__ void pack_p(const float (&sc)[Kt::kSRegs], uint32_t (&pa)[Kt::kPK][4]) {
 #pragma unroll
-  for (int kk = 0; kk < kPK; ++kk) {
-    if constexpr (kQuant) {
+  for (int kk = 0; kk < Kt::kPK; ++kk) {
+    if constexpr (Kt::kQuant) {
       const float* s0 = sc + 16 * kk;   // groups 4kk .. 4kk+3
       pa[kk][0] = pack_e4m3x4(s0[0], s0[1], s0[4], s0[5]);
       pa[kk][1] = pack_e4m3x4(s0[2], s0[3], s0[6], s0[7]);
@@ -248,9 +260,10 @@ __device__ __forceinline__ void pack_p(const float (&sc)[kSRegs], uint32_t (&pa)
 }
 
 // O of the thread's rows times the rows' correction factors.
-__device__ __forceinline__ void scale_o(float (&o_acc)[kORegs], const float (&corr)[2]) {
+template <class Kt>
+__device__ __forceinline__ void scale_o(float (&o_acc)[Kt::kORegs], const float (&corr)[2]) {
 #pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j) {
+  for (int j = 0; j < Kt::kHeadDim / 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) { o_acc[4 * j + 2 * h] *= corr[h]; o_acc[4 * j + 2 * h + 1] *= corr[h]; }
   }

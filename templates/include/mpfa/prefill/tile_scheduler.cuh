@@ -7,11 +7,12 @@
 namespace {
 
 // KV length of request b (its keys are pages page_begin.. of the page table).
+template <class Kt>
 __device__ __forceinline__ int kv_length(const PrefillParams& p, int b, int* page_begin) {
   const int pb = p.kv_indptr[b];
   const int np = p.kv_indptr[b + 1] - pb;
   *page_begin = pb;
-  return np > 0 ? (np - 1) * kPageSize + p.last_page_len[b] : 0;
+  return np > 0 ? (np - 1) * Kt::kPageSize + p.last_page_len[b] : 0;
 }
 
 // One work item of the main kernel: a kBM-row query tile of one request and one query head.
@@ -19,6 +20,7 @@ struct Item {
   int hq, hk, b, row0, qo_start, rows, kv_len, diag, n_tiles;
 };
 
+template <class Kt>
 __device__ __forceinline__ Item item_at(const PrefillParams& p, int item) {
   Item it;
   const int nh = p.num_qo_heads;
@@ -26,15 +28,15 @@ __device__ __forceinline__ Item item_at(const PrefillParams& p, int item) {
   it.hq = item % nh;
   it.hk = it.hq / (nh / p.num_kv_heads);
   it.b = p.tile_req[tile];
-  it.row0 = p.tile_q[tile] * kBM;
+  it.row0 = p.tile_q[tile] * Kt::kBM;
   it.qo_start = p.qo_indptr[it.b];
   const int qo_len = p.qo_indptr[it.b + 1] - it.qo_start;
-  it.rows = min(kBM, qo_len - it.row0);
+  it.rows = min(Kt::kBM, qo_len - it.row0);
   int page_begin;
-  it.kv_len = kv_length(p, it.b, &page_begin);
+  it.kv_len = kv_length<Kt>(p, it.b, &page_begin);
   it.diag = it.kv_len - qo_len;                    // row i sees keys j <= i + diag (causal)
   const int kv_end = p.causal ? min(it.kv_len, it.row0 + it.rows + it.diag) : it.kv_len;
-  it.n_tiles = (kv_end + kBN - 1) / kBN;
+  it.n_tiles = (kv_end + Kt::kBN - 1) / Kt::kBN;
   return it;
 }
 
