@@ -171,23 +171,26 @@ def test_s4x8_every_nibble_value_position_and_block_scale_is_exact():
 
 # --- the decode kernel's lane mapping, compiled from decode/mma.cuh ----------------------------------------------
 # k_dim (the physical channel of a thread's local K dim) and qk_scores' per-lane offsets into the k8 bytes,
-# the nibble bytes and the block scales are read from the header itself: nvcc compiles the real header in
-# the real qk4pv8 specialization (templates/decode.cu.jinja's constants) into a host program that prints
+# the nibble bytes and the block scales are read from the header itself: nvcc compiles the real header for the
+# real qk4pv8 specialization (the DecodeConfig templates/decode.cu.jinja renders) into a host program that prints
 # them. k_dim is __device__; the program's copy of the header differs in that one specifier
 # (__host__ __device__), and qk_scores' three offset expressions are taken from its loads by a pattern that
-# must match exactly once: an edit that changes the header's shape fails here until this follows.
+# must match exactly once: an edit that changes the header's shape fails here until this follows. The offsets
+# name the header's constants as it does, through T = DecodeTraits<Cfg>.
 _K_DIM = "__device__ __forceinline__ int k_dim(int c, int l) {"
 _LANE_LOADS = {   # name -> the load it is read from (the offset expression of lane c is the group)
-    "k8": r"load_words<kK8B>\(st \+ kOffK8 \+ row \* Layout::k8_bytes \+ ([^,;]+), k8w\[r\]\);",
-    "k4": r"load_words<kK4B>\(st \+ kOffK \+ row \* Layout::k_bytes \+ ([^,;]+), k4w\[r\]\);",
-    "bs": r"i4rs_block_scale_f16x2\(st\[kOffBs \+ row \* Layout::k_block_scale_bytes \+ ([^\]]+)\]\);",
+    "k8": r"load_words<T::kK8B>\(st \+ T::kOffK8 \+ row \* Layout::k8_bytes \+ ([^,;]+), k8w\[r\]\);",
+    "k4": r"load_words<T::kK4B>\(st \+ T::kOffK \+ row \* Layout::k_bytes \+ ([^,;]+), k4w\[r\]\);",
+    "bs": r"i4rs_block_scale_f16x2\(st\[T::kOffBs \+ row \* Layout::k_block_scale_bytes \+ ([^\]]+)\]\);",
 }
+# The rendered build's config: its anonymous namespace up to the end of struct DecodeConfig.
+_CONFIG = r"(?ms)^namespace \{\n(.*?^struct DecodeConfig \{\n.*?^\};\n)"
 
 
-def _one(pattern_or_text, src, what, regex=True):
+def _one(pattern_or_text, src, what, regex=True, where=DECODE_MMA):
     found = re.findall(pattern_or_text, src) if regex else [pattern_or_text] * src.count(pattern_or_text)
     if len(found) != 1:
-        raise AssertionError(f"{DECODE_MMA}: expected exactly one {what}, found {len(found)}: the header changed "
+        raise AssertionError(f"{where}: expected exactly one {what}, found {len(found)}: the source changed "
                              "shape; update tests/cpu/test_decode_int_conversions.py's reading of it")
     return found[0]
 
@@ -203,14 +206,14 @@ def header_lane_mapping(head_dim: int, include: Path = INCLUDE) -> dict:
     _one(_K_DIM, src, "k_dim definition", regex=False)
     offsets = {name: _one(pat, src, f"qk_scores {name} load").strip() for name, pat in _LANE_LOADS.items()}
     rendered = decode_op.spec(recipe="qk4pv8", head_dim=head_dim, page_size=16, group_size=4, arch="sm_90a").render()
-    preamble = rendered.split('#include "mpfa/decode/kernel.cuh"')
-    assert len(preamble) == 2, "templates/decode.cu.jinja no longer includes mpfa/decode/kernel.cuh once"
+    config = _one(_CONFIG, rendered, "struct DecodeConfig in an anonymous namespace", where="templates/decode.cu.jinja")
     main = "\n".join([
-        preamble[0], f'#include "{DECODE_MMA}"', "#include <cstdio>", "int main() {",
-        '  std::printf("k8b %d k4b %d\\n", kK8B, kK4B);',
+        "#include <cstdio>", '#include "mpfa/cache_layout.cuh"', f'#include "{DECODE_MMA}"', "namespace {", config,
+        "}  // namespace", "int main() {", "  using T = DecodeTraits<DecodeConfig>;",
+        '  std::printf("k8b %d k4b %d\\n", T::kK8B, T::kK4B);',
         "  for (int c = 0; c < 4; ++c) {",
         f'    std::printf("lane %d %d %d %d\\n", c, int({offsets["k8"]}), int({offsets["k4"]}), int({offsets["bs"]}));',
-        '    for (int l = 0; l < kHeadDim / 4; ++l) std::printf("%d ", k_dim(c, l));',
+        '    for (int l = 0; l < T::kHeadDim / 4; ++l) std::printf("%d ", k_dim<DecodeConfig>(c, l));',
         '    std::printf("\\n");', "  }", "}", ""])
     with tempfile.TemporaryDirectory(prefix="mpfa-mma-") as tmp:
         tmp = Path(tmp)

@@ -7,16 +7,19 @@
 #include <math_constants.h>
 #include <cstdint>
 #include "mpfa/common.cuh"
-#include "mpfa/decode/config.cuh"
 #include "mpfa/decode/params.cuh"
+#include "mpfa/decode/traits.cuh"
 
 namespace {
 
 // (split, h, b): the CTA's grid position; m_run, l_run, acc: the thread's softmax state and O^T accumulators
 // (l_run is reduced over the lanes g here).
+template <class Cfg>
 __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* smem, int tid, int warp, int g, int c,
                                              int split, int b, int h, int hq0, int batch, const float (&m_run)[2],
-                                             float (&l_run)[2], const float (&acc)[kMT][4]) {
+                                             float (&l_run)[2], const float (&acc)[DecodeTraits<Cfg>::kMT][4]) {
+  using T = DecodeTraits<Cfg>;
+  constexpr int kHeadDim = T::kHeadDim, kGroup = T::kGroup, kWarps = T::kWarps;
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
     l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], off);
@@ -30,14 +33,14 @@ __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* sme
     l_s[warp * 8 + 2 * c] = l_run[0]; l_s[warp * 8 + 2 * c + 1] = l_run[1];
   }
 #pragma unroll
-  for (int j = 0; j < kMT; ++j) {
-    const int ch = g * kDV + 2 * j;
+  for (int j = 0; j < T::kMT; ++j) {
+    const int ch = g * T::kDV + 2 * j;
     *reinterpret_cast<float2*>(o_s + (warp * 8 + 2 * c) * kHeadDim + ch) = make_float2(acc[j][0], acc[j][2]);
     *reinterpret_cast<float2*>(o_s + (warp * 8 + 2 * c + 1) * kHeadDim + ch) = make_float2(acc[j][1], acc[j][3]);
   }
   __syncthreads();
   const bool final_out = p.num_splits == 1;
-  for (int idx = tid; idx < kGroup * kHeadDim / 4; idx += kThreads) {
+  for (int idx = tid; idx < kGroup * kHeadDim / 4; idx += T::kThreads) {
     const int gg = idx / (kHeadDim / 4), d0 = (idx % (kHeadDim / 4)) * 4;
     float m = -CUDART_INF_F;
 #pragma unroll
@@ -55,7 +58,7 @@ __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* sme
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-    if constexpr (kQuant) {
+    if constexpr (T::kQuant) {
       const float4 vs = *reinterpret_cast<const float4*>(p.v_scale + h * kHeadDim + d0);
       o.x *= vs.x; o.y *= vs.y; o.z *= vs.z; o.w *= vs.w;
     }

@@ -10,63 +10,71 @@
 #include <cuda_bf16.h>
 #include <math_constants.h>
 #include <cstdint>
-#include "mpfa/decode/config.cuh"
 #include "mpfa/decode/epilogue.cuh"
 #include "mpfa/decode/mma.cuh"
 #include "mpfa/decode/params.cuh"
 #include "mpfa/decode/schedule.cuh"
 #include "mpfa/decode/softmax.cuh"
 #include "mpfa/decode/tile_loads.cuh"
+#include "mpfa/decode/traits.cuh"
 #include "mpfa/mma_frag.cuh"
 
 namespace {
 
-__global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const DecodeParams p) {
+template <class Cfg>
+__global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>::kMinBlocks)
+    decode_kernel(const DecodeParams p) {
+  using T = DecodeTraits<Cfg>;
+  using Layout = typename T::Layout;
   extern __shared__ __align__(128) uint8_t smem[];
-  uint32_t* ids_ring = reinterpret_cast<uint32_t*>(smem + (kSmemBytes - kIdsBytes));
+  uint32_t* ids_ring = reinterpret_cast<uint32_t*>(smem + (T::kSmemBytes - T::kIdsBytes));
   // The CTA's shared window base for the copies, computed once: derived at each use, it cost an S2R
   // of the CTA's cluster id + MOV + LEA at the ring write and again at the copy issue, per iteration.
   uint32_t smem_base;
   asm volatile("mov.u32 %0, %1;\n" : "=r"(smem_base) : "r"(mpfa::smem_u32(smem)));
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-  const int hq0 = h * kGroup;
+  const int hq0 = h * T::kGroup;
   const int batch = gridDim.z;
 
   // --- this CTA's range of tiles, from device memory (graph replays see new lengths) ---
-  const SplitRange range = split_range(p, split, b);
+  const SplitRange range = split_range<Cfg>(p, split, b);
   const int page_begin = range.page_begin, num_pages = range.num_pages, kv_len = range.kv_len;
   const int tile_begin = range.tile_begin, n_iter = range.n_iter;
   if (n_iter == 0 && split > 0) {
     // Nothing to attend (a fixed split size leaves a CUDA graph's grid partly empty): its O is never
     // written, and the merge gives a split whose LSE is -inf weight 0 and drops its O by a select.
-    if (tid < kGroup) p.lse_part[(int64_t(split) * batch + b) * (p.num_kv_heads * kGroup) + hq0 + tid] = -CUDART_INF_F;
+    if (tid < T::kGroup)
+      p.lse_part[(int64_t(split) * batch + b) * (p.num_kv_heads * T::kGroup) + hq0 + tid] = -CUDART_INF_F;
     return;
   }
 
-  uint32_t qf[kHeadDim / 8];
-  const float q_unscale = load_q_fragment(p, b, hq0, g, c, qf);
-  const float col_scale = p.score_scale * q_unscale;
+  uint32_t qf[T::kHeadDim / 8];
+  // The Q unscales of this thread's score columns, heads 2c and 2c + 1 (bf16x2; softmax.cuh applies them).
+  uint32_t q_unscale = load_q_fragment<Cfg>(p, b, hq0, g, c, qf);
 
   // --- page ring: ph = page_id * num_kv_heads + h locates this head's run of a page in every field ---
   const uint32_t Hkv = uint32_t(p.num_kv_heads);
-  auto tile_valid = [&](int tile) { int n = kv_len - tile * kTile; return n < 0 ? 0 : (n > kTile ? kTile : n); };
+  auto tile_valid = [&](int tile) {
+    const int n = kv_len - tile * T::kTile;
+    return n < 0 ? 0 : (n > T::kTile ? T::kTile : n);
+  };
   auto fetch_ids = [&](int it) -> uint32_t {   // ph this thread stores for iteration `it` (or 0)
     const int tile = tile_begin + it;
-    if (tid < kPagesPerTile && it < n_iter) {
-      const int pg = tile * kPagesPerTile + tid;
+    if (tid < T::kPagesPerTile && it < n_iter) {
+      const int pg = tile * T::kPagesPerTile + tid;
       return pg < num_pages ? uint32_t(p.indices[page_begin + pg]) * Hkv + uint32_t(h) : 0u;
     }
     return 0u;
   };
-  FullTileCopier copier(p, smem);
+  FullTileCopier<Cfg> copier(p, smem);
   auto issue = [&](int it) {
     if (it < n_iter) {
       const int valid = tile_valid(tile_begin + it);
-      const uint32_t* ph = ids_ring + (it & 1) * kPagesPerTile;
-      const uint32_t st = smem_base + (it % kStages) * kStageBytes;
-      if (valid == kTile) copier.copy(st, ph);
-      else load_partial_tile(st, p, ph, valid);
+      const uint32_t* ph = ids_ring + (it & 1) * T::kPagesPerTile;
+      const uint32_t st = smem_base + (it % T::kStages) * T::kStageBytes;
+      if (valid == T::kTile) copier.copy(st, ph);
+      else load_partial_tile<Cfg>(st, p, ph, valid);
     }
     mpfa::cp_async_commit();
   };
@@ -76,9 +84,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const Deco
   float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.f, 0.f};
   // O^T accumulators: acc[mt] = rows (channels) g*kDV + 2mt (c0, c1) and g*kDV + 2mt + 1 (c2, c3),
   // columns (heads) 2c (c0, c2) and 2c + 1 (c1, c3).
-  float acc[kMT][4];
+  float acc[T::kMT][4];
 #pragma unroll
-  for (int j = 0; j < kMT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int j = 0; j < T::kMT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   // Token rows of this thread within its warp's 16: MMA rows g -> tA = 4(g/2) + g%2, rows g+8 -> tA + 2.
   // g / 2 is passed to pv_accumulate as a value, not recomputed there: a callee is simplified before it is
@@ -88,45 +96,48 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) decode_kernel(const Deco
 
   if (n_iter > 0) {
     // Iterations 0 .. kStages-2 are issued in the prologue: each needs its ids in the ring first.
-    for (int it = 0; it < kStages - 1; ++it) {
-      if (tid < kPagesPerTile) ids_ring[(it & 1) * kPagesPerTile + tid] = fetch_ids(it);
+    for (int it = 0; it < T::kStages - 1; ++it) {
+      if (tid < T::kPagesPerTile) ids_ring[(it & 1) * T::kPagesPerTile + tid] = fetch_ids(it);
       __syncthreads();
       issue(it);
       __syncthreads();   // the next ring write reuses slot (it + 1) & 1 == (it - 1) & 1
     }
-    uint32_t next_id = fetch_ids(kStages - 1);
+    uint32_t next_id = fetch_ids(T::kStages - 1);
 
     for (int it = 0; it < n_iter; ++it) {
-      if (tid < kPagesPerTile) ids_ring[((it + kStages - 1) & 1) * kPagesPerTile + tid] = next_id;
-      mpfa::cp_async_wait<kStages - 2>();
+      if (tid < T::kPagesPerTile) ids_ring[((it + T::kStages - 1) & 1) * T::kPagesPerTile + tid] = next_id;
+      mpfa::cp_async_wait<T::kStages - 2>();
       __syncthreads();   // stage `it` landed for all threads; stage it-1 fully consumed; ids visible
-      issue(it + kStages - 1);
-      next_id = fetch_ids(it + kStages);
+      issue(it + T::kStages - 1);
+      next_id = fetch_ids(it + T::kStages);
 
-      const uint8_t* st = smem + (it % kStages) * kStageBytes;
+      const uint8_t* st = smem + (it % T::kStages) * T::kStageBytes;
       const int valid = tile_valid(tile_begin + it);
-      if (valid < kTile) {
+      if (valid < T::kTile) {
         // The last tile: V rows past the length must be exactly zero (P is 0 there, and 0 * NaN from a
         // stale or poisoned byte would be NaN); plain stores make that an invariant of this code rather
         // than of how each copy path fills the tail (benchmarks/NOTES.md, decode v2).
-        const uint32_t vt = mpfa::smem_u32(st) + kOffV;   // 32-bit shared address: no 64-bit pointer live
+        const uint32_t vt = mpfa::smem_u32(st) + T::kOffV;   // 32-bit shared address: no 64-bit pointer live
 #pragma unroll 1
-        for (int o = valid * Layout::v_bytes + tid * 16; o < kTile * Layout::v_bytes; o += kThreads * 16)
+        for (int o = valid * Layout::v_bytes + tid * 16; o < T::kTile * Layout::v_bytes; o += T::kThreads * 16)
           asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n" ::"r"(vt + o), "r"(0) : "memory");
         __syncthreads();
       }
       const int wrow = 16 * warp;
       float s[4] = {0.f, 0.f, 0.f, 0.f};
-      qk_scores(st, wrow, tA, c, qf, s);
+      qk_scores<Cfg>(st, wrow, tA, c, qf, s);
       float pr[4];
-      softmax_update(st, wrow, tA, valid, col_scale, s, m_run, l_run, acc, pr);
-      pv_accumulate(st, wrow, g, g_half, c, pr, acc);
+      // Opaque at each tile, so that its unpacking stays in the loop: hoisted, the two factors take a register
+      // more through the loop, and qk4pv8 d128 spills at the 128-register cap. (bf16: the constant 1, 1.)
+      if constexpr (T::kQuant) asm volatile("" : "+r"(q_unscale));
+      softmax_update<Cfg>(st, wrow, tA, valid, p.score_scale, q_unscale, s, m_run, l_run, acc, pr);
+      pv_accumulate<Cfg>(st, wrow, g, g_half, c, pr, acc);
     }
   }
   mpfa::cp_async_wait<0>();
   __syncthreads();   // every stage consumed: the stage buffers become the combine area
 
-  write_output(p, smem, tid, warp, g, c, split, b, h, hq0, batch, m_run, l_run, acc);
+  write_output<Cfg>(p, smem, tid, warp, g, c, split, b, h, hq0, batch, m_run, l_run, acc);
 }
 
 }  // namespace

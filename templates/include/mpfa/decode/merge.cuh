@@ -5,21 +5,21 @@
 #include <math_constants.h>
 #include <cstdint>
 #include "mpfa/common.cuh"
-#include "mpfa/decode/config.cuh"
 
 namespace {
 
-// One block per (request, query head); its 128 threads form S streams of kHeadDim / 4 lanes: stream k sums
-// splits k, k + S, ..., and stream 0 adds the other streams' sums in order. A single group of lanes walking all the splits would wait on a chain of
-// dependent loads (64 splits at 1 x 128K); S streams keep S times as many loads in flight. An empty split (LSE
-// -inf, its partial never written) has weight 0 and its partial is dropped by a select after the load.
-constexpr int kMergeThreadsPerRow = kHeadDim / 4;
-constexpr int kMergeStreams = 128 / kMergeThreadsPerRow;
+// One block per (request, query head); its 128 threads form S streams of T = kHeadDim / 4 lanes: stream k
+// sums splits k, k + S, ..., and stream 0 adds the other streams' sums in order. A single group of lanes walking
+// all the splits would wait on a chain of dependent loads (64 splits at 1 x 128K); S streams keep S times as many
+// loads in flight. An empty split (LSE -inf, its partial never written) has weight 0 and its partial is dropped
+// by a select after the load. Cfg: the specialization (decode/traits.cuh); only its kHeadDim matters here.
+template <class Cfg>
 __global__ void __launch_bounds__(128) merge_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                                                     int num_splits, int64_t rows, int num_qo_heads,
                                                     __nv_bfloat16* out, int64_t out_stride_b, int64_t out_stride_h,
                                                     float* lse) {
-  constexpr int T = kMergeThreadsPerRow, S = kMergeStreams;
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int T = kHeadDim / 4, S = 128 / T;
   __shared__ float warp_max[4];
   __shared__ float4 o_stream[S][T];
   __shared__ float l_stream[S];

@@ -2,8 +2,8 @@
 // at plan; each CTA reads its request's length and its split's range from device memory at every launch,
 // so a captured CUDA graph replays correctly as lengths and the fixed split size change.
 #pragma once
-#include "mpfa/decode/config.cuh"
 #include "mpfa/decode/params.cuh"
+#include "mpfa/decode/traits.cuh"
 
 namespace {
 
@@ -15,12 +15,14 @@ struct SplitRange {
   int n_iter;       // its tiles (0: nothing to attend)
 };
 
+template <class Cfg>
 __device__ __forceinline__ SplitRange split_range(const DecodeParams& p, int split, int b) {
+  using T = DecodeTraits<Cfg>;
   SplitRange r;
   r.page_begin = p.indptr[b];
   r.num_pages = p.indptr[b + 1] - r.page_begin;
-  r.kv_len = r.num_pages > 0 ? (r.num_pages - 1) * kPageSize + p.last_page_len[b] : 0;
-  const int num_tiles = (r.kv_len + kTile - 1) / kTile;
+  r.kv_len = r.num_pages > 0 ? (r.num_pages - 1) * T::kPageSize + p.last_page_len[b] : 0;
+  const int num_tiles = (r.kv_len + T::kTile - 1) / T::kTile;
   // A fixed split size cuts every request the same way whatever the grid (eager, CUDA graph, batch
   // composition), so its output is bit-identical across them; the last split keeps any remainder so a
   // request longer than the grid covers is still attended in full.

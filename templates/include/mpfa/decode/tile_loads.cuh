@@ -5,8 +5,8 @@
 // + head, so the page's run of this head starts at field base + ph * page_size * row bytes.
 #pragma once
 #include <cstdint>
-#include "mpfa/decode/config.cuh"
 #include "mpfa/decode/params.cuh"
+#include "mpfa/decode/traits.cuh"
 #include "mpfa/mma_frag.cuh"
 
 namespace {
@@ -16,23 +16,24 @@ namespace {
 // whole page's run when that is shorter (page size 1 with small rows: 4- or 8-byte copies).
 // ph[pit] = page_id * num_kv_heads + head of the tile's pit-th page, so the page's run of this head
 // starts at base + ph * page_size * R.
-template <int R, bool kSwizzleK, bool kSwizzleV>
+template <class Cfg, int R, bool kSwizzleK, bool kSwizzleV>
 __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* base, const uint32_t* ph,
                                            int valid_tokens) {
-  constexpr int kRun = kPageSize * R;
+  using T = DecodeTraits<Cfg>;
+  constexpr int kRun = T::kPageSize * R;
   constexpr int U = kRun < 16 ? kRun : 16;
-  constexpr int N = kTile * R / U;
+  constexpr int N = T::kTile * R / U;
 #pragma unroll
-  for (int i = 0; i < (N + kThreads - 1) / kThreads; ++i) {
-    const int u = int(threadIdx.x) + i * kThreads;
-    if (N % kThreads == 0 || u < N) {
+  for (int i = 0; i < (N + T::kThreads - 1) / T::kThreads; ++i) {
+    const int u = int(threadIdx.x) + i * T::kThreads;
+    if (N % T::kThreads == 0 || u < N) {
       const int o = u * U;
       const int pit = o / kRun;
       const int within = o % kRun;
       int dst = o;
       if constexpr (R >= 16 && (kSwizzleK || kSwizzleV)) {
         const int row = o / R, chunk = (o % R) / 16;
-        const int sw = kSwizzleK ? k_swizzle(row) : v_swizzle(row);
+        const int sw = kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row);
         dst = row * R + ((chunk ^ sw) << 4);
       }
       const uint8_t* src = base + within;
@@ -51,11 +52,13 @@ __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* bas
 // every 2 (K) / 16 (V) rows, so (except bf16 d128 V) its shared destination does too. The per-thread
 // parts (source pointer within a run, ring slot, destination) are computed once per CTA, and a piece
 // costs one IMAD.WIDE (page id x run length + source) and the LDGSTS.
-template <int R, bool kSwizzleK, bool kSwizzleV, bool kOpaqueBase, bool kSpread = false>
+template <class Cfg, int R, bool kSwizzleK, bool kSwizzleV, bool kOpaqueBase, bool kSpread = false>
 struct FullTileField {
-  static constexpr int kRun = kPageSize * R;
+  using T = DecodeTraits<Cfg>;
+  static constexpr int kThreads = T::kThreads;
+  static constexpr int kRun = T::kPageSize * R;
   static constexpr int U = kRun < 16 ? kRun : 16;
-  static constexpr int N = kTile * R / U;
+  static constexpr int N = T::kTile * R / U;
   static constexpr int kPieces = (N + kThreads - 1) / kThreads;
   static constexpr int kStep = kThreads * U;
   static_assert(kRun % kStep == 0 || kStep % kRun == 0, "page runs and kStep are powers of two");
@@ -72,7 +75,7 @@ struct FullTileField {
   // would issue ~20 more instructions per tile than the others, all on one SM sub-partition (a CTA's
   // warp w runs on sub-partition w % 4).
   __device__ __forceinline__ static int vthread() {
-    return kSpread ? int(threadIdx.x % 32) * kWarps + int(threadIdx.x / 32) : int(threadIdx.x);
+    return kSpread ? int(threadIdx.x % 32) * T::kWarps + int(threadIdx.x / 32) : int(threadIdx.x);
   }
   __device__ __forceinline__ static bool active(int i) {
     return N % kThreads == 0 || vthread() + i * kThreads < N;
@@ -82,7 +85,7 @@ struct FullTileField {
       return o;
     } else {
       const int row = int(o) / R, chunk = (int(o) % R) / 16;
-      const int sw = kSwizzleK ? k_swizzle(row) : v_swizzle(row);
+      const int sw = kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row);
       return uint32_t(row * R + ((chunk ^ sw) << 4));
     }
   }
@@ -123,27 +126,31 @@ struct FullTileField {
 // one ring read, one IMAD.WIDE and one LDGSTS per thread instead of two of each. Its per-thread
 // constants (source pointer, run length, ring slot, destination) live in shared memory, read back
 // with one LDS.128 per tile: kept in registers, they spill qk4pv8 d128 at the 128-register cap.
+template <class Cfg>
 struct FullTileScales {
-  static constexpr int kRunBs = kPageSize * Layout::k_block_scale_bytes, kRunKs = kPageSize * Layout::k_scale_bytes;
-  static constexpr int kNBs = kTile * Layout::k_block_scale_bytes / 16, kNKs = kTile * Layout::k_scale_bytes / 16;
-  static_assert(kNBs + kNKs <= kThreads, "one piece per thread");
+  using T = DecodeTraits<Cfg>;
+  using Layout = typename T::Layout;
+  static constexpr int kRunBs = T::kPageSize * Layout::k_block_scale_bytes;
+  static constexpr int kRunKs = T::kPageSize * Layout::k_scale_bytes;
+  static constexpr int kNBs = T::kTile * Layout::k_block_scale_bytes / 16, kNKs = T::kTile * Layout::k_scale_bytes / 16;
+  static_assert(kNBs + kNKs <= T::kThreads, "one piece per thread");
   uint4 d;       // {source lo, source hi, run length, ring slot << 16 | stage offset}
   uint32_t ph;
 
-  __device__ __forceinline__ static int vthread() { return int(threadIdx.x % 32) * kWarps + int(threadIdx.x / 32); }
+  __device__ __forceinline__ static int vthread() { return int(threadIdx.x % 32) * T::kWarps + int(threadIdx.x / 32); }
   __device__ __forceinline__ static bool active() { return vthread() < kNBs + kNKs; }
   __device__ __forceinline__ static uint4* desc(uint8_t* smem) {
-    return reinterpret_cast<uint4*>(smem + kOffDesc) + threadIdx.x;
+    return reinterpret_cast<uint4*>(smem + T::kOffDesc) + threadIdx.x;
   }
   // Once per CTA, before any copy (each thread reads back only its own descriptor).
   __device__ __forceinline__ static void init(uint8_t* smem, const DecodeParams& p) {
-    if constexpr (kMergedScales) {
+    if constexpr (T::kMergedScales) {
       const bool is_bs = vthread() < kNBs;
       const uint32_t o0 = uint32_t(is_bs ? vthread() : vthread() - kNBs) * 16;
       const uint32_t run = is_bs ? kRunBs : kRunKs;
       const uint64_t src = reinterpret_cast<uint64_t>((is_bs ? p.k_block_scale : p.k_scale) + o0 % run);
       *desc(smem) = make_uint4(uint32_t(src), uint32_t(src >> 32), run,
-                               (o0 / run) << 16 | ((is_bs ? kOffBs : kOffKs) + o0));
+                               (o0 / run) << 16 | ((is_bs ? T::kOffBs : T::kOffKs) + o0));
     }
   }
   __device__ __forceinline__ void read_ids(uint8_t* smem, const uint32_t* ring) {
@@ -162,22 +169,25 @@ constexpr int row_or_placeholder(int bytes) { return bytes > 0 ? bytes : 4; }
 
 // Every field's copier, built once per CTA. k8's base is rebuilt per piece (not opaque): registers.
 // bs and ks are used at page size 1 only (FullTileScales otherwise).
+template <class Cfg>
 struct FullTileCopier {
-  FullTileField<Layout::k_bytes, true, false, true> k;
-  FullTileField<row_or_placeholder(Layout::k8_bytes), false, false, false> k8;
-  FullTileField<row_or_placeholder(Layout::k_block_scale_bytes), false, false, false, true> bs;
-  FullTileField<row_or_placeholder(Layout::k_scale_bytes), false, false, false, true> ks;
-  FullTileField<Layout::v_bytes, false, true, true> v;
-  FullTileScales scales;
+  using T = DecodeTraits<Cfg>;
+  using Layout = typename T::Layout;
+  FullTileField<Cfg, Layout::k_bytes, true, false, true> k;
+  FullTileField<Cfg, row_or_placeholder(Layout::k8_bytes), false, false, false> k8;
+  FullTileField<Cfg, row_or_placeholder(Layout::k_block_scale_bytes), false, false, false, true> bs;
+  FullTileField<Cfg, row_or_placeholder(Layout::k_scale_bytes), false, false, false, true> ks;
+  FullTileField<Cfg, Layout::v_bytes, false, true, true> v;
+  FullTileScales<Cfg> scales;
   uint8_t* smem;
   __device__ __forceinline__ FullTileCopier(const DecodeParams& p, uint8_t* smem_)
       : k(p.k), k8(p.k8), bs(p.k_block_scale), ks(p.k_scale), v(p.v), smem(smem_) {
-    FullTileScales::init(smem, p);
+    FullTileScales<Cfg>::init(smem, p);
   }
   __device__ __forceinline__ void copy(uint32_t st, const uint32_t* ring) {
     k.read_ids(ring);
     if constexpr (Layout::k8_bytes > 0) k8.read_ids(ring);
-    if constexpr (kMergedScales) {
+    if constexpr (T::kMergedScales) {
       scales.read_ids(smem, ring);
     } else {
       if constexpr (Layout::k_block_scale_bytes > 0) bs.read_ids(ring);
@@ -187,28 +197,31 @@ struct FullTileCopier {
     // All ring reads before the first cp.async: ptxas pads an LDGSTS that follows an LDS with three
     // `@!PT LDS` (issued, never executed); interleaved, that wastes 24 issue slots per tile.
     asm volatile("" ::: "memory");
-    k.issue(st + kOffK);
-    if constexpr (Layout::k8_bytes > 0) k8.issue(st + kOffK8);
-    if constexpr (kMergedScales) {
+    k.issue(st + T::kOffK);
+    if constexpr (Layout::k8_bytes > 0) k8.issue(st + T::kOffK8);
+    if constexpr (T::kMergedScales) {
       scales.issue(st);
     } else {
-      if constexpr (Layout::k_block_scale_bytes > 0) bs.issue(st + kOffBs);
-      if constexpr (Layout::k_scale_bytes > 0) ks.issue(st + kOffKs);
+      if constexpr (Layout::k_block_scale_bytes > 0) bs.issue(st + T::kOffBs);
+      if constexpr (Layout::k_scale_bytes > 0) ks.issue(st + T::kOffKs);
     }
-    v.issue(st + kOffV);
+    v.issue(st + T::kOffV);
   }
 };
 
 // A request's last tile (bytes past the length zero-filled).
+template <class Cfg>
 __device__ __forceinline__ void load_partial_tile(uint32_t st, const DecodeParams& p, const uint32_t* ph, int valid) {
-  load_field<Layout::k_bytes, true, false>(st + kOffK, p.k, ph, valid);
+  using T = DecodeTraits<Cfg>;
+  using Layout = typename T::Layout;
+  load_field<Cfg, Layout::k_bytes, true, false>(st + T::kOffK, p.k, ph, valid);
   if constexpr (Layout::k8_bytes > 0)
-    load_field<Layout::k8_bytes, false, false>(st + kOffK8, p.k8, ph, valid);
+    load_field<Cfg, Layout::k8_bytes, false, false>(st + T::kOffK8, p.k8, ph, valid);
   if constexpr (Layout::k_block_scale_bytes > 0)
-    load_field<Layout::k_block_scale_bytes, false, false>(st + kOffBs, p.k_block_scale, ph, valid);
+    load_field<Cfg, Layout::k_block_scale_bytes, false, false>(st + T::kOffBs, p.k_block_scale, ph, valid);
   if constexpr (Layout::k_scale_bytes > 0)
-    load_field<Layout::k_scale_bytes, false, false>(st + kOffKs, p.k_scale, ph, valid);
-  load_field<Layout::v_bytes, false, true>(st + kOffV, p.v, ph, valid);
+    load_field<Cfg, Layout::k_scale_bytes, false, false>(st + T::kOffKs, p.k_scale, ph, valid);
+  load_field<Cfg, Layout::v_bytes, false, true>(st + T::kOffV, p.v, ph, valid);
 }
 
 }  // namespace
