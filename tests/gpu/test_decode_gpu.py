@@ -171,7 +171,7 @@ def test_unbuilt_shapes_raise(shared_jit_cache):
     last = torch.tensor([3], dtype=torch.int32, device="cuda")
     with pytest.raises(UnknownKernelError):
         w.plan(indptr, idx, last, 32, 2, 128, 16, recipe="qk4pv8")    # group 16
-    with pytest.raises(UnknownKernelError):
+    with pytest.raises(ValueError, match=r"head_dim must be one of \[64, 128\], got 256"):   # checked before any build
         w.plan(indptr, idx, last, 8, 2, 256, 16, recipe="qk4pv8")     # head_dim 256
 
 
