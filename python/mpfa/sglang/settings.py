@@ -65,9 +65,10 @@ PAGE_SIZES = _append_op.PAGE_SIZES        # every op serves the pages the cache 
 # qk8pv8 0.89-0.91 against 0.80-0.84; 32 and 64 serve too but were not measured faster.
 DEFAULT_PAGE_SIZE = 16
 # Whether mpfa leaves SGLang's default prefill CUDA graph (0.5.17: "breakable", attention eager between captured
-# segments) on when the command line does not configure the prefill graph. Off: every measured run so far had
-# it off (the launcher added --disable-prefill-cuda-graph). The H200 A/B decides
-# (python -m benchmarks.e2e.prefill_graph_ab: the same tokens as eager and a TTFT at least as good -> True).
+# segments) on when the command line does not configure the prefill graph. Off, as the H200 A/B decided
+# (python -m benchmarks.e2e.prefill_graph_ab, qk4pv8: the same tokens as eager, TTFT 0.6% slower on, geomean over
+# 512-32K prompts; benchmarks/results/studies/prefill_graph_ab_h200.json): mpfa's attention runs eagerly between
+# the captured segments either way, and with the graph on the prefill was no faster.
 # MPFA_PREFILL_CUDA_GRAPH or the YAML's mpfa.prefill_cuda_graph override it.
 PREFILL_CUDA_GRAPH = False
 TOP_LEVEL_KEYS = ("model", "sglang", "mpfa")
