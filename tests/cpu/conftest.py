@@ -1,6 +1,7 @@
 """A stand-in nvcc for tests of the build machinery (process groups, kills, failures, clear during a build):
 a shell script that MPFA_NVCC points at, so those tests run in seconds and without the CUDA toolkit."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -50,6 +51,13 @@ class FakeNvcc:
     go: Path     # create it to let waiting compiles finish
     URI = "stand_in_n-1_sm_90a"
 
+    @staticmethod
+    def default_sigint() -> None:
+        """Popen's preexec_fn for a child a test interrupts: SIGINT at its default, so that Python installs its
+        KeyboardInterrupt handler (a test runner started in the background by a non-interactive shell inherits
+        SIGINT ignored, and a Python started with SIGINT ignored keeps ignoring it)."""
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     def build(self, store):
         """Build the stand-in key in this process; returns get_or_build's (path, built_here)."""
         from mpfa_jit.spec import KernelSpec
@@ -58,7 +66,8 @@ class FakeNvcc:
     def start_builder(self, root: Path, mode: str = "wait") -> subprocess.Popen:
         """A process that builds the stand-in key into the cache at ``root``."""
         return subprocess.Popen([sys.executable, "-c", _BUILDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env={**os.environ, "MPFA_CACHE_DIR": str(root), **self.env(mode)})
+                                text=True, env={**os.environ, "MPFA_CACHE_DIR": str(root), **self.env(mode)},
+                                preexec_fn=self.default_sigint)
 
     def wait_compiling(self, proc: subprocess.Popen, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

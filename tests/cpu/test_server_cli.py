@@ -346,7 +346,8 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, fake_nvcc):
     slow or fast the machine (a real compile of a few seconds could finish before the signal on a loaded one)."""
     env = {**os.environ, "MPFA_CUDA_ARCH": ARCH, "MPFA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mpfa.sglang.warmup", str(DEFAULT), "--no-progress", "--jobs", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=fake_nvcc.default_sigint)
     try:
         fake_nvcc.wait_compiling(proc, timeout=120)
         os.killpg(proc.pid, signal.SIGINT)
