@@ -1,5 +1,5 @@
 """Error budget of ``qk4pv8`` (CPU study): which quantization step costs what, and which 4-bit K
-format would cost less.
+(or, issue 33, 4-bit V) format would cost less.
 
     python -m benchmarks.accuracy.error_budget [--contexts 1024 2048] [--q-len 256] [--out /tmp/mpfa-error-budget]
                                                [--no-model] [--no-synthetic] [--data-dir DIR]
@@ -80,6 +80,20 @@ Sources, alone and combined (names are the row ``config``):
   ``vi8`` INT8 with per-(KV head, channel) scales amax / 127 from the context's values (not an FP8 PV
   operand: for a PV MMA on fp16 P, ``p16+vi8``, whose V converts to fp16 exactly in registers);
   ``vt8`` E4M3 with the per-tensor scale 1.0 (the peer's V).
+  4-bit V (issue 33; :data:`V4_FORMATS`, scales and zero points stored as fp16, :func:`v4_bytes` per
+  token-head): ``v4t`` INT4 in [-7, 7], one scale per token (amax -> 7); ``v4b32`` one scale per 32
+  channels; ``v4b32m`` the same on V - mu_V (mu_V added in the epilogue as ``v8s``); ``v4at`` / ``v4a32``
+  asymmetric: codes 0..15, x ~= q * s + z, z = min and s = (max - z) / 15 per token / per 32 channels;
+  ``v4a32h`` ``v4a32`` of V H (H the orthonormal Hadamard matrix; exact: O = (P V H) H^T in the epilogue);
+  ``v4a32o8`` / ``v4ato8``: the D/8 channels of largest |V| over the first ``n_cal`` tokens (per layer and
+  KV head, fixed) INT8 with one fp16 scale per token, the other 7/8 ``v4a32`` in D/32 groups (28 channels
+  each) / ``v4at``. Each models the prefill kernel: its pre-pass writes today's FP8 V tile from the 4-bit
+  cache, so the dequantized value is rounded once more to E4M3 under V's fixed per-channel scales (of
+  V - mu_V or V H where centred or rotated; every INT4 value and code 0..15 is exact in E4M3, but a
+  per-token or per-group scale cannot be applied after an FP8 PV MMA). Suffixes: ``~s`` the first
+  ``SINK_TOKENS`` values (the attention-sink page) stored FP8 under those scales; ``~f`` the decode path:
+  the dequantized value rounded to fp16 (decode converts in registers; pair it with ``p16``, decode's P,
+  and no Q quantization: ``ki4@all+p16+v4a32~f``).
 
 Diagnostics per layer and KV head (``kind: diag`` rows): large-mean channels (|mu_c| / sd_c),
 per-token amax before and after smoothing, relative K error, the logit noise the K error causes in
@@ -95,7 +109,9 @@ search.
 Model level: perplexity and KL(exact || config) of SmolLM2 on KJV with every layer's attention
 replaced by the configuration (registered as transformers attention ``"mpfa_budget"``; mu_K and the
 other calibrated scales come from the same forward, as :class:`.model.MpfaSession` calibrates from
-the first prefill; ``--model-dtype float32`` halves the CPU time of long sequences). ``--text stdlib``
+the first prefill; ``--model-dtype float32`` halves the CPU time of long sequences). Model and kernel
+rows carry ``bytes_d128`` (K + V per token-head at head_dim 128) and ``x_bf16`` where the K format has
+a cache layout here (:func:`cache_bytes`). ``--text stdlib``
 reads the running Python's standard library instead of KJV, ``--skip-tokens N`` starts N tokens into
 the text (a second sample of the same text). ``--device cuda`` runs the same simulation (model weights
 in float32, attention in float64/float32) on a GPU: the reference numerics, not the kernels, ~100x faster
@@ -110,6 +126,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -119,6 +136,7 @@ from mpfa.recipes import int8 as I8
 from mpfa.recipes.fp8 import (E4M3_DTYPE, E4M3_MAX, P_SCALE, amax_scale, quantize_e4m3, quantize_per_tile,
                                quantize_per_token)
 from mpfa.reference.attention import _run, attention
+from mpfa_jit.formats import INT4_MAX
 from mpfa_jit.ops.prefill import KV_TILE
 
 from .metrics import ErrorAccumulator
@@ -275,6 +293,142 @@ K_FORMATS = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# 4-bit V (issue 33): values [..., D] float32 in, dequantized float32 out; scales and zero points fp16
+
+class V4(NamedTuple):
+    """A 4-bit V format: ``group`` channels per scale (None: one per token), ``asym`` codes 0..15 with a zero
+    point (else INT4 in [-7, 7]), ``outliers`` D/8 channels INT8 per token, ``rotate`` Hadamard of the
+    channels, ``centre`` V - mu_V."""
+    group: int | None
+    asym: bool
+    outliers: bool = False
+    rotate: bool = False
+    centre: bool = False
+
+
+V4_FORMATS = {
+    "v4t": V4(None, False), "v4b32": V4(32, False), "v4b32m": V4(32, False, centre=True),
+    "v4at": V4(None, True), "v4a32": V4(32, True), "v4a32h": V4(32, True, rotate=True),
+    "v4a32o8": V4(32, True, outliers=True), "v4ato8": V4(None, True, outliers=True),
+}
+ASYM_MAX = 15
+
+
+def _fp16_scale(s: torch.Tensor) -> torch.Tensor:
+    """A scale rounded to the fp16 the cache stores (decode's half2 FMA takes it as it is); one that
+    underflows to 0 becomes 1, as an all-zero group's."""
+    h = s.half().float()
+    return torch.where(h > 0, h, torch.ones_like(h))
+
+
+def int4_groups(x: torch.Tensor, group: int, *, asym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit codes of ``x [..., n]`` in groups of ``group`` consecutive channels: symmetric INT4 in [-7, 7]
+    with s = amax / 7, or asymmetric codes 0..15 with s = (max - z) / 15 and the zero point z = min
+    (x ~= q * s + z). s and z are rounded to fp16 first, then the codes computed from them (one
+    reciprocal per group, a multiply per element, rni, clamp: :func:`mpfa.recipes.int8.quantize_int`).
+    Returns (codes int8 ``[..., n]``, dequantized float32 ``[..., n]``)."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    if asym:
+        z = g.amin(dim=-1).half().float().unsqueeze(-1)
+        s = _fp16_scale(amax_scale(g.amax(dim=-1) - z[..., 0], ASYM_MAX)).unsqueeze(-1)
+        q = I8.quantize_int(g - z, s, ASYM_MAX).clamp(min=0)
+        deq = q.float() * s + z
+    else:
+        s = _fp16_scale(amax_scale(g.abs().amax(dim=-1), INT4_MAX)).unsqueeze(-1)
+        q = I8.quantize_int(g, s, INT4_MAX)
+        deq = q.float() * s
+    return q.reshape(x.shape), deq.reshape(x.shape)
+
+
+def v4_outlier_channels(v_cal: torch.Tensor) -> torch.Tensor:
+    """``[H_kv, D]`` bool: per KV head the D/8 channels of largest |V| over the calibration values ``[T, H_kv, D]``."""
+    amax = v_cal.float().abs().amax(dim=0)
+    mask = torch.zeros_like(amax, dtype=torch.bool)
+    return mask.scatter_(-1, amax.topk(amax.shape[-1] // 8, dim=-1).indices, True)
+
+
+def v4_quantize(x: torch.Tensor, fmt: V4, outliers: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantized 4-bit V of ``x [m, H_kv, D]`` (already centred / rotated). With ``fmt.outliers`` the
+    channels of ``outliers [H_kv, D]`` are INT8 with one fp16 scale per token (amax -> 127) and the other 7/8
+    form D / group groups (28 channels each for 32) in channel order, or one group for a per-token format."""
+    d = x.shape[-1]
+    if not fmt.outliers:
+        return int4_groups(x, fmt.group or d, asym=fmt.asym)[1]
+    order = torch.argsort(outliers.int(), dim=-1, stable=True).expand_as(x)    # the 4-bit channels, then the INT8 ones
+    xs = x.float().gather(-1, order)
+    n4 = d - d // 8
+    rest, big = xs[..., :n4], xs[..., n4:]
+    s8 = _fp16_scale(amax_scale(big.abs().amax(dim=-1), I8.INT8_MAX)).unsqueeze(-1)
+    deq = torch.cat([int4_groups(rest, n4 // (d // fmt.group) if fmt.group else n4, asym=fmt.asym)[1],
+                     I8.dequantize_int(I8.quantize_int(big, s8), s8)], dim=-1)
+    return torch.empty_like(deq).scatter_(-1, order, deq)
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order ``d`` (a power of two): V H is stored, O = (P V H) H^T."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    if h.shape[0] != d:
+        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {d}")
+    return h / math.sqrt(d)
+
+
+def v4_effective(v: torch.Tensor, spec: dict, cal: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """V as the PV MMA sees it under the 4-bit format ``spec`` ({format, sink, fp16} from :func:`parse`) and
+    mu_V to add to the normalized output (``centre``; else None). Prefill (default): the pre-pass writes
+    today's FP8 tile image, one E4M3 rounding of the dequantized value under V's fixed per-channel scales
+    (of the centred / rotated values); ``fp16`` (``~f``): the dequantized value rounded to fp16, as decode
+    converts in registers. ``sink`` (``~s``): the first ``SINK_TOKENS`` rows stored FP8 under those scales."""
+    fmt = V4_FORMATS[spec["format"]]
+    x, scale, mean = v.float(), cal["v_scale"], None
+    if fmt.centre:
+        mean = cal["mu_v"]
+        x, scale = x - mean, cal["v_scale_s"]
+    if fmt.rotate:
+        h = hadamard(x.shape[-1]).to(x.device)
+        x, scale = x @ h, cal["v_scale_h"]
+    deq = v4_quantize(x, fmt, cal.get("v_o8"))
+    deq = deq.half().float() if spec["fp16"] else quantize_e4m3(deq, scale).float() * scale
+    if spec["sink"]:
+        deq[:SINK_TOKENS] = quantize_e4m3(x[:SINK_TOKENS], scale).float() * scale
+    return (deq @ h.T if fmt.rotate else deq), mean
+
+
+def _pad4(n: int) -> int:
+    return n + (-n) % 4
+
+
+def v4_bytes(name: str, head_dim: int = 128) -> int:
+    """Bytes of V per token and KV head: packed 4-bit codes (D/2, or 7D/16 beside D/8 INT8 bytes) and the
+    fp16 parameters (a scale per group, a zero point per group if asymmetric, the INT8 channels' scale),
+    each field padded to 4 bytes as the cache's fields are (cp.async copies 4 bytes or more; a page's
+    16 rows of any field are then a whole number of 16-byte loads)."""
+    fmt = V4_FORMATS[name]
+    n8 = head_dim // 8 if fmt.outliers else 0
+    groups = head_dim // fmt.group if fmt.group else 1
+    params = groups * (2 if fmt.asym else 1) + (1 if fmt.outliers else 0)
+    return _pad4(n8) + _pad4((head_dim - n8) // 2) + _pad4(2 * params)
+
+
+def cache_bytes(cfg: dict, head_dim: int = 128) -> dict:
+    """Cache bytes of a configuration per token and KV head (K + V; bf16 where not quantized), its ratio to
+    bf16's, and the first page's extra bytes per sequence and KV head where V keeps it FP8 (``~s``);
+    empty for K formats without a cache layout here."""
+    k_bytes = {None: 2 * head_dim, "ki8": I8.k_bytes_per_token_head("int8", head_dim), "k8": head_dim + 4,
+               "ki4": I8.k_bytes_per_token_head("i4rs", head_dim), "kt8": head_dim}
+    k_bytes.update(ki8t=k_bytes["ki8"], ki4t=k_bytes["ki4"])      # the same caches, read under tile scales
+    if cfg["k"] not in k_bytes or cfg["sink"]:
+        return {}
+    v4 = cfg.get("v4")
+    v = v4_bytes(v4["format"], head_dim) if v4 else head_dim if cfg["v"] else 2 * head_dim
+    out = {"bytes_d128": k_bytes[cfg["k"]] + v, "x_bf16": 4 * head_dim / (k_bytes[cfg["k"]] + v)}
+    if v4 and v4["sink"]:
+        out["sink_page_extra_bytes"] = SINK_TOKENS * (head_dim - v)
+    return out
+
+
 def equalizer(k_cal: torch.Tensor) -> torch.Tensor:
     """Per (KV head, channel) power-of-two t = 2^round(log2 rms) of calibration keys ``[T, H_kv, D]``."""
     rms = k_cal.double().pow(2).mean(dim=0).sqrt().clamp_min(1e-6)
@@ -292,7 +446,7 @@ def parse(name: str) -> dict:
     """``"q8s+k4@all+p8+v8"`` -> {'q': 'q8s', 'k': 'k4', 'eq': False, 'mu': 'all', 'p': True, 'v': True}.
     ``exact`` is nothing quantized. K's mu_K source follows ``@`` (none|first|all; default none).
     ``p`` is True (FP8), ``"p16"`` / ``"pbf"`` or False; ``v`` is True (``v8``), ``"s"`` (``v8s``), ``"s_sink"`` (``v8s~s``), ``"i8"``
-    (``vi8``), ``"t8"`` or False."""
+    (``vi8``), ``"t8"``, ``"4"`` (a 4-bit V: ``v4`` = {format, sink, fp16}) or False."""
     cfg = {"name": name, "q": None, "k": None, "eq": False, "mu": "none", "sink": False, "p": False, "v": False,
            "corr": None}
     if name == "exact":
@@ -314,6 +468,11 @@ def parse(name: str) -> dict:
             cfg["v"] = "i8"
         elif part == "vt8":
             cfg["v"] = "t8"
+        elif m := re.fullmatch(r"(v4[a-z0-9]+?)(~s)?(~f)?", part):
+            if m.group(1) not in V4_FORMATS:
+                raise ValueError(f"unknown part {part!r} in {name!r}")
+            cfg["v"] = "4"
+            cfg["v4"] = {"format": m.group(1), "sink": bool(m.group(2)), "fp16": bool(m.group(3))}
         else:
             m = re.fullmatch(r"(eq)?(k\w+?)(?:@(none|first|all))?(~s|~b)?(~cf|~c)?", part)
             if not m or m.group(2) not in K_FORMATS:
@@ -352,7 +511,11 @@ ISSUE20_PV = ["exact", "ki8@all", "qi8s+ki8@all", "qi8s64+ki8@all", "qi8s+ki8@al
               "qi8s+ki8@all+vi8", "qi8s+ki8@all+p16+vi8", "qi8s64+ki8@all+p16+vi8", "qi8s+ki8@all+p8+v8s~s",
               "qi8s64+ki8@all+p16+v8s~s", "v8s~s",
               "qi8s", "qi8s64", "p8", "p16", "pbf", "v8", "v8s", "vi8"]
-ALL_CONFIGS = list(dict.fromkeys(["exact"] + ALONE + K_VARIANTS + COMBINED + INT_CONFIGS + ISSUE20_PV))
+# issue 33: qk4pv8's Q, K and P as implemented with a 4-bit V (prefill numerics; ``~f``: V as decode's fp16)
+IMPL_QKP = "qi8s64+ki4@all+p8"
+ISSUE33_V4 = [IMPL, PEER_FP8KV] + [f"{IMPL_QKP}+{v}" for v in ("v4t", "v4b32", "v4b32m", "v4a32", "v4a32h~s",
+                                                                "v4a32o8~s", "v4ato8~s", "v4a32~s", "v4a32h")]
+ALL_CONFIGS = list(dict.fromkeys(["exact"] + ALONE + K_VARIANTS + COMBINED + INT_CONFIGS + ISSUE20_PV + ISSUE33_V4))
 
 
 def _expand(x, heads):
@@ -363,7 +526,8 @@ def _expand(x, heads):
 def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_CAL,
               q_ctx: torch.Tensor | None = None) -> dict:
     """Fixed per-(KV head) quantities from the context: mu_K, the equalizer of K - mu_K, V scales, mu_V
-    and the scales of V - mu_V (``v8s``); with ``q_ctx`` also mu_Q per query head for the stored
+    and the scales of V - mu_V (``v8s``), of V H (``v4...h``), V's INT8 channels (``v4...o8``: from the first
+    ``n_cal`` values); with ``q_ctx`` also mu_Q per query head for the stored
     correction (``mu_q``: all rows, ``mu_q_first``: the first ``n_cal``)."""
     kf = k_ctx.float()
     if mu == "none":
@@ -377,7 +541,11 @@ def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_
     vf = v_ctx.float()
     mu_v = vf.mean(dim=0)
     out = {"mu_k": mu_k, "t": equalizer(kf - mu_k), "v_scale": _v_scale(vf), "mu_v": mu_v,
-           "v_scale_s": _v_scale(vf - mu_v), "v_scale_i8": I8.row_scale(vf.abs().amax(dim=0), I8.INT8_MAX)}
+           "v_scale_s": _v_scale(vf - mu_v), "v_scale_i8": I8.row_scale(vf.abs().amax(dim=0), I8.INT8_MAX),
+           "v_o8": v4_outlier_channels(vf[:n_cal])}
+    d = vf.shape[-1]
+    if d & (d - 1) == 0:
+        out["v_scale_h"] = _v_scale(vf @ hadamard(d).to(vf.device))
     if q_ctx is not None and q_ctx.shape[0] > 0:
         out["mu_q"] = q_ctx.float().mean(dim=0)
         out["mu_q_first"] = q_ctx[:n_cal].float().mean(dim=0)
@@ -444,7 +612,9 @@ def quantized_attention(q, k, v, cfg: dict, *, causal: bool = True, sm_scale: fl
         corr = stored_correction(cal[key], ks, k_eff, K_SCALE_TARGET.get(cfg["k"], I8.I4RS_TARGET)).to(dtype)
         bias = corr if bias is None else bias + corr
     v_mean = None
-    if cfg["v"] == "t8":
+    if cfg["v"] == "4":
+        v_eff, v_mean = v4_effective(v, cfg["v4"], cal)
+    elif cfg["v"] == "t8":
         v_eff = quantize_e4m3(v.float(), 1.0).float()
     elif cfg["v"] == "i8":
         v_eff = I8.dequantize_int(I8.quantize_int(v.float(), cal["v_scale_i8"]), cal["v_scale_i8"])
@@ -508,8 +678,9 @@ def budget(inputs, configs=ALL_CONFIGS, *, contexts=None, n_cal: int = N_CAL, sm
             o, _ = quantized_attention(q, k, v, c, sm_scale=sm_scale, cal=cals[c["mu"]])
             acc[c["name"]].add(o, ref)
     out = {}
+    by_name = {c["name"]: c for c in cfgs}
     for name, a in acc.items():
-        out[name] = {**a.result(), "per_layer_rel_l2": a.per_part}
+        out[name] = {**a.result(), "per_layer_rel_l2": a.per_part, **cache_bytes(by_name[name])}
     return out
 
 
@@ -669,7 +840,8 @@ def model_ppl(mdl, ids: torch.Tensor, configs, dtype=torch.float64) -> list[dict
             mdl.set_attn_implementation("sdpa")
         logp = torch.log_softmax(mdl.lm_head(h[:-1]).double(), dim=-1)
         nll = float(-logp.gather(1, tgt[:, None]).mean())
-        row = {"config": name, "tokens": int(ids.shape[0]), "nll": nll, "ppl": math.exp(nll)}
+        row = {"config": name, "tokens": int(ids.shape[0]), "nll": nll, "ppl": math.exp(nll),
+               **cache_bytes(parse(name))}
         if base is None:
             base, row["kl"], row["top1_agree"] = logp, 0.0, 1.0
         else:
