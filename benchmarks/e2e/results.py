@@ -111,15 +111,16 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def kv_pool_tokens(rows: list[dict], model: str = "llama-3.1-8b") -> dict[str, int]:
-    """max_total_num_tokens per configuration of ``model`` at TP 1 and the default memory fraction: from
-    the capacity rows, overridden by the throughput rows (measured later, same server arguments), so a
-    recipe whose format changed after the capacity run is counted as it serves now."""
+    """max_total_num_tokens per configuration of ``model`` at TP 1, the default memory fraction and BF16 weights:
+    from the capacity rows, overridden by the throughput rows (measured later, same server arguments), so a
+    recipe whose format changed after the capacity run is counted as it serves now. Rows of quantized weights
+    (``--weights fp8``) are left out: the memory their weights free goes to the pool."""
     pools = {}
     for part in ("capacity", "throughput"):
         for r in rows:
             if (r["part"] == part and r.get("status") == "ok" and r.get("max_total_num_tokens")
                     and r.get("model", "llama-3.1-8b") == model and r.get("tp", 1) == 1
-                    and r.get("mem_fraction_static", 0.85) == 0.85):
+                    and r.get("mem_fraction_static", 0.85) == 0.85 and r.get("quantization") is None):
                 pools[r["config"].replace("fp8_e4m3", "fp8")] = r["max_total_num_tokens"]
     return pools
 

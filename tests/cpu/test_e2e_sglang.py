@@ -190,7 +190,10 @@ def test_summary_sets_the_headline_against_every_peer_and_keeps_fp8_weight_rows_
                 "output_throughput": tput, "requests": 10, "commit": "abc", **kw}
     rows = [row(c, n, t) for n in (32768, 65536) for c, t in (("sglang-fa3-bf16", 100.0), ("sglang-fa3-fp8kv", 125.0),
                                                               ("flashinfer-bf16", 80.0), ("mpfa-qk4pv8", 150.0))]
-    rows += [row(c, 65536, t, quantization="fp8") for c, t in (("sglang-fa3-bf16", 200.0), ("mpfa-qk4pv8", 300.0))]
+    rows += [row(c, 65536, t, quantization="fp8", max_total_num_tokens=10 ** 7)
+             for c, t in (("sglang-fa3-bf16", 200.0), ("mpfa-qk4pv8", 300.0))]
+    # the pools (capacity ratios, request counts) are BF16-weight servers': the FP8-weight rows' larger ones stay out
+    assert results.kv_pool_tokens(rows) == {}
     s = results.summarize(rows)
     assert s["output_throughput_ratio_vs_sglang_fa3_bf16_geomean"] == pytest.approx(1.5)
     assert s["output_throughput_ratio_vs_sglang_fa3_fp8kv_geomean"] == pytest.approx(1.2)
