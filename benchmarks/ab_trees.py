@@ -177,9 +177,7 @@ def main(argv=None) -> int:
     publish.add_arguments(ap)
     args = ap.parse_args(argv)
     args.out = publish.destination(ap, args.out, args.publish)
-    ops = [o for o in args.ops.split(",") if o]
-    if not ops or any(o not in SHAPES for o in ops):
-        ap.error(f"--ops: choose from {', '.join(SHAPES)}, got {args.ops!r}")
+    ops = ap.comma_list("--ops", args.ops, tuple(SHAPES))
     if not all((args.old / d).is_dir() for d in ("mpfa_jit", "python", "templates")):
         ap.error(f"--old {args.old}: not a source tree (needs mpfa_jit/, python/ and templates/)")
     if args.rounds < 1 or args.reps < 5:

@@ -38,6 +38,7 @@ from pathlib import Path
 from benchmarks import cli
 from benchmarks import meta as bench_meta
 from benchmarks import publish, results_io
+from benchmarks.e2e import results as e2e_results
 from benchmarks.e2e import throughput
 from benchmarks.e2e.server import Server, server_env, server_info
 
@@ -191,9 +192,7 @@ def main(argv=None) -> int:
     publish.add_arguments(ap)
     args = ap.parse_args(argv)
     args.out = publish.destination(ap, args.out, args.publish)
-    configs = [c for c in args.configs.split(",") if c]
-    if not configs or any(c not in CONFIGS for c in configs):
-        ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
+    configs = ap.comma_list("--configs", args.configs, CONFIGS)
     try:
         rates = sorted({float(x) for x in args.rates.split(",") if x})
     except ValueError:
@@ -216,12 +215,13 @@ def main(argv=None) -> int:
     previous = results_io.read(source) if source.exists() else {"meta": {}, "rows": []}
     work = publish.staging_dir(RESULT) if args.publish else target
     command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
-    meta = bench_meta.collect(command, calls=previous["meta"].get("calls", []) + [{"command": command}])
+    meta = e2e_results.with_calls(bench_meta.collect(command, parts=["serving"]), previous["meta"])
     from tqdm import tqdm
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(configs) * len(rates), unit="run", file=sys.stderr) as bar:
         for config in configs:
-            rows += run_config(config, args, rates, Path(tmp), work / "logs" / "serving", bar)
+            rows += [{**r, "commit": meta.get("commit")} for r in run_config(config, args, rates, Path(tmp),
+                                                                              work / "logs" / "serving", bar)]
             merged = merge(previous["rows"], rows)
             results_io.write(RESULT, meta, summarize(merged), merged, work)
     try:

@@ -637,9 +637,7 @@ def finish(args, rows: list[dict], work: Path) -> int:
 
 def main(argv=None) -> int:
     ap, args = parse_args(argv)
-    configs = [c for c in args.configs.split(",") if c]
-    if not configs or any(c not in CONFIGS for c in configs):
-        ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
+    configs = ap.comma_list("--configs", args.configs, CONFIGS)
     command = (f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     previous = previous_result(args.out)   # read once: this run's rows replace their earlier versions
     if not (args.soak or args.tp_check):
