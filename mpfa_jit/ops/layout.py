@@ -33,5 +33,4 @@ def recipe_enum(recipe: str) -> str:
 
 def layout_context(recipe: str, head_dim: int) -> dict:
     """The render context every kernel template's cache layout needs."""
-    return {"cache_fields": cache_fields(recipe, head_dim), "layout_args": layout_args(recipe, head_dim),
-            "layout_names": LAYOUT_FIELDS, "recipe_enum": recipe_enum(recipe)}
+    return {"layout_args": layout_args(recipe, head_dim), "layout_names": LAYOUT_FIELDS, "recipe_enum": recipe_enum(recipe)}

@@ -45,7 +45,7 @@ def test_render_context_carries_the_tile_sizes_and_cache_layout():
     ctx = dict(s.context)
     assert (ctx["q_tile"], ctx["kv_tile"], ctx["mu_rows"]) == (SERVED_Q_TILE, prefill_op.KV_TILE, prefill_op.MU_ROWS)
     assert (ctx["k_image_bytes"], ctx["v_image_bytes"], ctx["fa_bytes"]) == (128 * 64, 128 * 64, 128 * 4)
-    assert ctx["recipe_enum"] == "kQk4pv8" and dict(ctx["cache_fields"])["k_block_scale"] == 4
+    assert ctx["recipe_enum"] == "kQk4pv8" and dict(zip(ctx["layout_names"], ctx["layout_args"]))["k_block_scale"] == 4
     assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0, "cd": 0}
     assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # comp_mma's digit image
     # every knob of the served build joins the key; the context does not

@@ -12,7 +12,7 @@ from mpfa.sglang import model, settings
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import OPS, append_kv, decode, prefill, support
 from mpfa_jit.formats import Field, Recipe
-from mpfa_jit.ops.layout import LAYOUT_FIELDS, layout_args, layout_context
+from mpfa_jit.ops.layout import LAYOUT_FIELDS, cache_fields, layout_args, layout_context
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = "sm_90a"
@@ -29,7 +29,7 @@ def test_every_recipe_has_a_kernel_layout(recipe):
     for op in OPS:
         assert recipe in op.RECIPES
         for d in op.HEAD_DIMS:
-            assert sum(n for _, n in layout_context(recipe, d)["cache_fields"]) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
+            assert sum(n for _, n in cache_fields(recipe, d)) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
             assert sum(layout_args(recipe, d)) == RECIPE_TABLE[recipe].bytes_per_token_head(d)
 
 
