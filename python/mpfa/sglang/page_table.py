@@ -72,7 +72,9 @@ def check_extend_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     this; a page size of 1 has nothing to check. Synchronizes the host (one reduction)."""
     if page_size == 1 or out_cache_loc.numel() == 0:
         return
-    req = torch.repeat_interleave(req_pool_indices.to(torch.int64), extend_seq_lens.to(torch.int64))
+    # output_size: the lengths are on the device, and without it repeat_interleave syncs once more to size its output
+    req = torch.repeat_interleave(req_pool_indices.to(torch.int64), extend_seq_lens.to(torch.int64),
+                                  output_size=out_cache_loc.numel())
     pos = positions.to(torch.int64)
     slot = out_cache_loc.to(torch.int64)
     page_head = req_to_token[req, pos - pos % page_size].to(torch.int64)
