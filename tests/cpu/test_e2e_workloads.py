@@ -381,7 +381,11 @@ def test_fixed_then_mixed_run_write_both_workloads_and_their_ratios(stand_in_sgl
 
     s = results_io.read(tmp_path / f"{results.RESULT}.json")["summary"]
     assert s["itl_concurrency1_ratio_vs_flashinfer_bf16"]["256"] < 0.8     # 3 ms against 8 ms a token
-    assert s["mixed_output_throughput_ratio_vs_flashinfer_bf16"]["llama-3.1-8b"] > 1.2
+    # the stand-in's ratio of wall times is at the mercy of a loaded CI machine (1.16 where 1.6 was meant, once);
+    # the ratio is checked against the rows it comes from, and its direction through the per-token gaps' p50
+    assert s["mixed_output_throughput_ratio_vs_flashinfer_bf16"]["llama-3.1-8b"] == pytest.approx(
+        m["output_throughput"] / mixed["flashinfer-bf16"]["output_throughput"])
+    assert s["mixed_itl_p50_ratio_vs_flashinfer_bf16"]["llama-3.1-8b"] < 0.8
     assert set(s["mixed_ttft_p50_ratio_vs_flashinfer_bf16"]) == {"llama-3.1-8b"}
     assert set(s["wall_time_split_estimate"]) == {"256/flashinfer-bf16", "256/mpfa-qk4pv8"}
 
