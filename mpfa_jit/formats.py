@@ -10,6 +10,7 @@ The recipes: which precision each operand of attention has, and what the KV cach
 | bf16     | bf16                     | bf16                                                 | bf16               | bf16   | bf16   |
 | qk8pv8   | int8, one scale per tile | int8, one scale per token                            | e4m3, fixed scales | int8   | e4m3   |
 | qk4pv8   | int8, one scale per tile | i4rs: half int8, half int4 x integer block scale, one scale per token | e4m3, fixed scales | int8*  | e4m3   |
+| qk4pv4   | int8, one scale per tile | i4rs (as qk4pv8)                                     | u4h: 4-bit, V H**  | int8*  | e4m3   |
 
 (*) qk4pv8's K (mpfa/recipes/int8.py, ``quantize_i4rs``): the low-frequency RoPE half of the channels as INT8,
 the other half as INT4 in [-7, 7] with one integer block scale 1..18 per 16 channels, so every
@@ -17,6 +18,12 @@ the other half as INT4 in [-7, 7] with one integer block scale 1..18 per 16 chan
 Quantized K is smoothed (stored as K - mu_K, mu_K fixed per layer and KV head); V has one fixed scale
 per (layer, head, channel). Decode dequantizes K exactly to fp16 and keeps Q in fp16 (bf16 Q is exact
 there up to a power-of-two prescale); prefill quantizes Q to INT8 per 64-row tile after smoothing.
+
+(**) qk4pv4's V (mpfa/recipes/u4h.py, ``quantize_u4h``): the row rotated by the orthonormal Hadamard matrix,
+r = V H, stored as 4-bit codes 0..15 with one fp16 scale and zero point per 32 channels (D/2 + D/8 bytes: 80 at
+head_dim 128, 184 B per token-head with K). Decode multiplies the fp16 dequantized values; prefill's pre-pass
+writes them into the same FP8 V image as the e4m3 recipes (under V's fixed scales, calibrated on V H). Both give
+O H, which the wrappers rotate back with one bf16 GEMM (H H = I).
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ DEFAULT_RECIPE = "qk4pv8"
 class Field:
     """One per-token tensor of the cache: ``[num_pages, num_kv_heads, page_size, *shape(head_dim)]``."""
     name: str
-    dtype: str            # "bfloat16", "int8", "uint8" (E4M3 bytes, packed INT4, block scales), "float32"
+    dtype: str            # "bfloat16", "int8", "uint8" (E4M3 bytes, packed INT4, block scales), "float16", "float32"
     per_row: str          # elements per (token, head): "D", "D/2", "D/4", "D/16", "D/32" or "1"
 
     def numel(self, head_dim: int) -> int:
@@ -69,7 +76,7 @@ class Field:
                 "D/32": max(4, head_dim // (2 * I4RS_BLOCK)), "1": 1}[self.per_row]
 
     def itemsize(self) -> int:
-        return {"bfloat16": 2, "int8": 1, "uint8": 1, "float32": 4}[self.dtype]
+        return {"bfloat16": 2, "int8": 1, "uint8": 1, "float16": 2, "float32": 4}[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class Recipe:
     name: str
     q_format: str          # "bf16" | "int8" (prefill; decode keeps Q in fp16)
     k_format: str          # "bf16" | "int8" | "i4rs" (half int8, half int4 x block scale)
-    v_format: str          # "bf16" | "e4m3"
+    v_format: str          # "bf16" | "e4m3" | "u4h" (4-bit codes of V H, a scale and zero point per 32 channels)
     fields: tuple[Field, ...]
 
     @property
@@ -108,6 +115,9 @@ RECIPES = {
     "qk4pv8": Recipe("qk4pv8", "int8", "i4rs", "e4m3",
                      (Field("k8", "int8", "D/2"), Field("k", "uint8", "D/4"), Field("k_block_scale", "uint8", "D/32"),
                       Field("k_scale", "float32", "1"), Field("v", "uint8", "D"))),
+    "qk4pv4": Recipe("qk4pv4", "int8", "i4rs", "u4h",
+                     (Field("k8", "int8", "D/2"), Field("k", "uint8", "D/4"), Field("k_block_scale", "uint8", "D/32"),
+                      Field("k_scale", "float32", "1"), Field("v", "uint8", "D/2"), Field("v_param", "float16", "D/16"))),
 }
 
 

@@ -120,7 +120,8 @@ def summarize(rows: list[dict]) -> dict:
     outl = [r for r in kern if r.get("source") == "outlier"]
     outl_ctx = max((r["context"] for r in outl), default=None)
     table = {}
-    for rc in RECIPES:
+    measured = {r.get("recipe") for r in rows}
+    for rc in (r for r in RECIPES if r in measured):   # a recipe without rows (not run yet) has no table row
         mr = mrow(rc, True)
         m0 = None if rc == "bf16" else mrow(rc, False)
         t = {

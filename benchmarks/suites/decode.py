@@ -236,7 +236,8 @@ def summarize(rows: list[dict]) -> dict:
     def fractions(recipe, pred):
         return [_gbps(r) / hbm for r in ok if r["impl"] == "mpfa" and r["recipe"] == recipe and pred(r)] if hbm else []
 
-    by_recipe = {r: min(fractions(r, lambda x: x["batch"] * x["context"] >= BIG), default=None) for r in RECIPES}
+    measured = [r for r in RECIPES if any(x["recipe"] == r for x in ok)]   # a recipe not run yet has no entry
+    by_recipe = {r: min(fractions(r, lambda x: x["batch"] * x["context"] >= BIG), default=None) for r in measured}
     mine = find("mpfa", "qk4pv8", *HEADLINE)
 
     def ratio(peer):
@@ -252,7 +253,7 @@ def summarize(rows: list[dict]) -> dict:
                 graph[f"{r['batch']}x{r['context']}"] = r["ms"] / base["ms"]
     fi_nvfp4 = find("flashinfer", "fi-nvfp4", *HEADLINE)
     errs = {r: max((x["rel_l2"] for x in ok if x["impl"].startswith("mpfa") and x["recipe"] == r and "rel_l2" in x),
-                   default=None) for r in RECIPES}
+                   default=None) for r in measured}
     return {
         "hbm_read_gbps": hbm,
         "min_hbm_fraction": by_recipe["qk4pv8"],

@@ -28,7 +28,7 @@ class AppendParams(ctypes.Structure):
         ("slots", ctypes.c_void_p), ("num_tokens", ctypes.c_int64), ("num_slots", ctypes.c_int64),
         ("bad_slots", ctypes.c_void_p),
         ("k_data", ctypes.c_void_p), ("k8_data", ctypes.c_void_p), ("k_block_scale", ctypes.c_void_p),
-        ("k_scale", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("v_data", ctypes.c_void_p), ("v_param", ctypes.c_void_p),
         ("mu_k", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("num_kv_heads", ctypes.c_int),
     ]

@@ -32,6 +32,7 @@ class DecodeParams(ctypes.Structure):
         ("q", ctypes.c_void_p), ("q_stride_b", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
         ("k", ctypes.c_void_p), ("k8", ctypes.c_void_p), ("k_block_scale", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p), ("v", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("v_param", ctypes.c_void_p),
         ("indptr", ctypes.c_void_p), ("indices", ctypes.c_void_p), ("last_page_len", ctypes.c_void_p),
         ("num_kv_heads", ctypes.c_int), ("num_splits", ctypes.c_int), ("batch", ctypes.c_int),
         ("tiles_per_split", ctypes.c_void_p), ("score_scale", ctypes.c_float),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..formats import get_recipe
 
 # mpfa::CacheLayout's width arguments (templates/include/mpfa/cache_layout.cuh), in order: the names a Field may have.
-LAYOUT_FIELDS = ("k", "k8", "k_block_scale", "k_scale", "v")
+LAYOUT_FIELDS = ("k", "k8", "k_block_scale", "k_scale", "v", "v_param")
 
 
 def cache_fields(recipe: str, head_dim: int) -> tuple[tuple[str, int], ...]:

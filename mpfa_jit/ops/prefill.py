@@ -41,9 +41,11 @@ KNOBS = {"stages": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": 
 # compensation term as one more INT8 k-step of the QK MMA (one Q scale per request and head), both PV column
 # parts before one wait, and 2 stages. qk8pv8 keeps per-key K scales and 64-row Q scales: the tile scale cost
 # it 29% in KL (its INT8 K loses more to requantization than qk4pv8's 4-bit K). bf16: 2 stages (3 do not fit).
+# qk4pv4 is qk4pv8's build: the same K, and its pre-pass writes the same FP8 V image from the 4-bit V.
 SERVED_KNOBS = {"bf16": {"stages": 2, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
                 "qk8pv8": {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
-                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}}
+                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1},
+                "qk4pv4": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}}
 
 
 def build_knobs(recipe: str, knobs: dict | None = None) -> dict:
@@ -77,9 +79,10 @@ def numerics(recipe: str, knobs: dict) -> dict:
 
 
 def image_bytes(recipe: str, head_dim: int) -> dict[str, int]:
-    """Bytes of one KV tile's images per KV head: K (KV_TILE x head_dim MMA elements), V^T (the same) and the
-    per-key factor vector fa (quantized recipes; fb, per query head, has its size); and per query head, the
-    compensation digit image of comp_mma builds (cd: KV_TILE x COMP_DIGITS bytes)."""
+    """Bytes of one KV tile's images per KV head: K (KV_TILE x head_dim MMA elements), V^T (the same: E4M3 for
+    every quantized recipe, qk4pv4's 4-bit V included) and the per-key factor vector fa (quantized recipes; fb, per
+    query head, has its size); and per query head, the compensation digit image of comp_mma builds (cd: KV_TILE x
+    COMP_DIGITS bytes)."""
     elt = 2 if recipe == "bf16" else 1
     return {"k": KV_TILE * head_dim * elt, "v": KV_TILE * head_dim * elt, "fa": 0 if recipe == "bf16" else KV_TILE * 4,
             "cd": 0 if recipe == "bf16" else KV_TILE * COMP_DIGITS}
@@ -92,6 +95,7 @@ class PrefillParams(ctypes.Structure):
     """Mirror of ``PrefillParams`` (templates/include/mpfa/prefill/params.cuh), field for field."""
     _fields_ = [("q", _p), ("q_stride_t", _i64), ("q_stride_h", _i64),
                 ("k", _p), ("k8", _p), ("k_block_scale", _p), ("k_scale", _p), ("v", _p), ("v_scale", _p),
+                ("v_param", _p),
                 ("qo_indptr", _p), ("kv_indptr", _p), ("indices", _p), ("last_page_len", _p),
                 ("kv_tile_base", _p), ("tile_req", _p), ("tile_q", _p), ("kvt_req", _p), ("kvt_idx", _p),
                 ("num_qo_heads", _i32), ("num_kv_heads", _i32), ("causal", _i32), ("sm_scale", _f32),

@@ -16,7 +16,9 @@ PAGE_SIZES = (1, 16, 32, 64)
 
 def _must(values) -> str:
     values = list(values)
-    if len(values) > 3 and values == list(range(values[0], values[-1] + 1)):
+    # a run of integers (the group sizes) reads as a range; names (the recipes) never do
+    ints = all(isinstance(v, int) for v in values)
+    if len(values) > 3 and ints and values == list(range(values[0], values[-1] + 1)):
         return f"must be in {values[0]}..{values[-1]}"
     return f"must be one of {values}"
 

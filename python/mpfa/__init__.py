@@ -1,4 +1,4 @@
-"""mpfa: mixed-precision FlashAttention kernels (bf16, qk8pv8, qk4pv8) for LLM serving.
+"""mpfa: mixed-precision FlashAttention kernels (bf16, qk8pv8, qk4pv8, qk4pv4) for LLM serving.
 
 A :class:`PagedKVCache` holds every layer's pages in a recipe's format; ``calibrate`` fixes a layer's
 K mean and V channel scales from its first K/V, :func:`append_kv` quantizes K/V rows into slots, and

@@ -28,7 +28,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
     Slot ``s`` is token ``s % page_size`` of page ``s // page_size``; a negative slot is skipped
     (padding in captured CUDA graphs). Quantized recipes subtract the layer's mu_K, quantize K per
     token (INT8, or i4rs: half INT8, half INT4 with integer block scales) and V with the layer's fixed
-    channel scales. Returns the backend that ran ('cuda' or 'reference'). Capturable in a CUDA graph when ``slots`` is int64.
+    channel scales (qk4pv4: V H as 4-bit codes with a scale and zero point per 32 channels, mpfa.recipes.u4h).
+    Returns the backend that ran ('cuda' or 'reference'). Capturable in a CUDA graph when ``slots`` is int64.
 
     Slots at or past ``kv.cache.num_slots``: the reference backend raises ValueError before writing
     anything. The CUDA kernel reads slots on the GPU, so it cannot raise without a synchronization on
@@ -37,7 +38,9 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
 
     Non-finite K/V: a K row (token, head) holding NaN or +-inf gets a NaN ``k_scale`` (the key reads
     back as NaN, and attention propagates it); a NaN or infinite V element of an FP8 recipe is stored
-    as E4M3 NaN; bf16 fields keep the values as given.
+    as E4M3 NaN; qk4pv4's 4-bit V (rotated: every channel depends on every input channel) stores NaN
+    parameters in every group of such a row, so the whole row reads back as NaN; bf16 fields keep the
+    values as given.
     """
     if not isinstance(kv, KVCacheLayer):
         raise ValueError(f"kv must be a KVCacheLayer (PagedKVCache.layer(i)), got {type(kv).__name__}")
@@ -59,7 +62,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, kv: KVCacheLayer, slots: torch.T
         v_stride_token=v.stride(0), v_stride_head=v.stride(1), slots=slots.data_ptr(), num_tokens=k.shape[0],
         num_slots=kv.cache.num_slots, bad_slots=kv.cache.out_of_range_slots.data_ptr(),
         k_data=f["k"].data_ptr(), k8_data=_ptr(f.get("k8")), k_block_scale=_ptr(f.get("k_block_scale")),
-        k_scale=_ptr(f.get("k_scale")), v_data=f["v"].data_ptr(), mu_k=_ptr(kv.mu_k), v_scale=_ptr(kv.v_scale),
+        k_scale=_ptr(f.get("k_scale")), v_data=f["v"].data_ptr(), v_param=_ptr(f.get("v_param")), mu_k=_ptr(kv.mu_k),
+        v_scale=_ptr(kv.v_scale),
         num_kv_heads=kv.num_kv_heads)
     fn(ctypes.byref(params), device_index(kv.device), torch.cuda.current_stream(kv.device).cuda_stream)
     return ran

@@ -5,6 +5,8 @@
     o = w.run(q, cache.layer(i))          # q: [batch, num_qo_heads, head_dim]
 
 Decode does not smooth Q (one token: Q - mu_Q would be 0); Q stays bf16 against the dequantized cache.
+qk4pv4 stores V rotated (V H): its kernel writes O_rot into a scratch tensor and ``run`` rotates it back into
+``out`` with one bf16 GEMM (mpfa.recipes.u4h.rotate_back; no host sync, so CUDA graphs capture it too).
 
 Kernel path (sm_90a, templates/decode.cu.jinja): split-KV with a merge kernel. ``plan`` validates,
 chooses the number of KV splits (adaptive: whole waves of the CTAs an SM holds, each split at least
@@ -32,8 +34,8 @@ import torch
 from mpfa_jit import get_kernel
 from mpfa_jit.ops import decode as decode_op
 
-from .dispatch import (bind_cache_layer, data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve,
-                       with_reference_hint)
+from .dispatch import (bind_cache_layer, data_ptr as _ptr, device_index, finish_output, kernel_arch, kernel_outputs,
+                       resolve, with_reference_hint)
 from .paged_plan import PagedBatch, check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
 from .recipes import Recipe
 from .validation import check_sm_scale, check_tensor, check_workspace, check_workspace_tensor
@@ -331,14 +333,16 @@ class BatchDecodeWrapper:
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
         qo_indptr = torch.arange(paged.batch_size + 1, device=q.device)
-        return reference_run(q, qo_indptr, kv, paged, out, return_lse, causal=False, sm_scale=p.sm_scale)
+        return reference_run(q, qo_indptr, kv, paged, out, return_lse, path="decode", causal=False,
+                             sm_scale=p.sm_scale)
 
     def _run_kernel(self, q, kv, out, return_lse):
         p = self._plan
-        out, lse = kernel_outputs(q, out, return_lse)
+        written, lse = kernel_outputs(q, out if kv.v_rotation is None else None, return_lse)
         a = p.params
         a.q, a.q_stride_b, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
         bind_cache_layer(a, kv)
-        a.out, a.out_stride_b, a.out_stride_h, a.lse = out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse)
+        a.out, a.out_stride_b, a.out_stride_h, a.lse = written.data_ptr(), written.stride(0), written.stride(1), _ptr(lse)
         p.launch(ctypes.byref(a), p.device_index, torch.cuda.current_stream(q.device).cuda_stream)
+        out = finish_output(written, kv, out)
         return (out, lse) if return_lse else out

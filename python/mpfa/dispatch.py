@@ -10,6 +10,7 @@ import torch
 
 from mpfa_jit import UnknownKernelError, env as jit_env
 
+from .recipes.u4h import rotate_back
 from .validation import check_choice, check_vector_rows
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -51,6 +52,7 @@ def bind_cache_layer(params, kv) -> None:
     f = kv.fields
     params.k, params.k8, params.k_block_scale = f["k"].data_ptr(), data_ptr(f.get("k8")), data_ptr(f.get("k_block_scale"))
     params.k_scale, params.v, params.v_scale = data_ptr(f.get("k_scale")), f["v"].data_ptr(), data_ptr(kv.v_scale)
+    params.v_param = data_ptr(f.get("v_param"))
 
 
 def device_index(device: torch.device) -> int:
@@ -59,7 +61,8 @@ def device_index(device: torch.device) -> int:
 
 def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, return_lse: bool):
     """(out, lse) for an attention kernel writing rows like ``q``: ``out`` allocated when not given,
-    LSE [rows, heads] float32 only when asked for."""
+    LSE [rows, heads] float32 only when asked for. A cache whose V is stored rotated (qk4pv4) takes ``out=None``
+    here: its kernel writes O_rot into that scratch, which :func:`finish_output` rotates into the caller's ``out``."""
     check_vector_rows("q", q)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -67,3 +70,11 @@ def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, return_lse: bool):
         check_vector_rows("out", out)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     return out, lse
+
+
+def finish_output(kernel_out: torch.Tensor, kv, out: torch.Tensor | None) -> torch.Tensor:
+    """The wrapper's output from what its kernel wrote: itself, or for a cache whose V is stored rotated (qk4pv4)
+    ``O = O_rot H`` into ``out`` (mpfa.recipes.u4h.rotate_back: one bf16 GEMM, no host synchronization)."""
+    if kv.v_rotation is None:
+        return kernel_out
+    return rotate_back(kernel_out, kv.v_rotation, out)

@@ -10,6 +10,10 @@ appends and the decode kernel reads whole pages.
 Fixed per (layer, KV head), for the whole server (so cached prefix pages stay shareable):
 ``mu_k [num_kv_heads, head_dim]`` (K smoothing, quantized K only; 0 until calibrated) and
 ``v_scale [num_kv_heads, head_dim]`` (FP8 V channel scales; 1 until calibrated).
+
+qk4pv4 stores V rotated (4-bit codes of V H, mpfa.recipes.u4h): its ``v_scale`` scales the rotated values (the
+prefill pre-pass's FP8 image of them), and the cache holds the +-1 Hadamard matrix the wrappers rotate the
+output back with (``v_rotation``, bf16 ``[head_dim, head_dim]``, None for the other recipes).
 """
 from __future__ import annotations
 
@@ -24,11 +28,15 @@ from .recipes import Recipe, get_recipe
 from .recipes.fp8 import E4M3_MAX, dequantize_e4m3
 from .recipes.int8 import I4RS_BLOCK, dequantize_i4rs, dequantize_k_per_token, i4rs_to_int8
 from .recipes.smoothing import k_smoothing_mean
+from .recipes.u4h import decode_values, hadamard, hadamard_pm1, prefill_values, rotate
 from .validation import check_choice, check_positive_int, check_tensor
 
 # The cache serves what the append kernel writes.
 HEAD_DIMS, PAGE_SIZES = append_op.HEAD_DIMS, append_op.PAGE_SIZES
-_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8, "float32": torch.float32}
+_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8, "float16": torch.float16,
+           "float32": torch.float32}
+# What dequantize's ``path`` accepts: the V each attention path multiplies (they differ for qk4pv4 only).
+V_PATHS = ("decode", "prefill")
 
 # V's channel scales come from whatever batch a layer sees first (a server's 3-token warmup request).
 # E4M3's range is wide enough to leave room: on SmolLM2's real V (benchmarks/results/studies/
@@ -54,17 +62,28 @@ class KVCacheLayer:
         self.fields = {name: t[index] for name, t in cache.fields.items()}
         self.mu_k = cache.mu_k[index] if cache.mu_k is not None else None
         self.v_scale = cache.v_scale[index] if cache.v_scale is not None else None
+        self.v_rotation = cache.v_rotation
 
     @property
     def device(self) -> torch.device:
         return self.cache.device
 
-    def dequantize(self, dtype=torch.float32, add_mean: bool = False, pages: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(self, dtype=torch.float32, add_mean: bool = False, pages: torch.Tensor | None = None, *,
+                   path: str = "decode", rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) as ``[num_pages, H, P, D]`` in ``dtype`` (only ``pages``, in that order, if given).
         K is the smoothed K - mu_K the kernels multiply (softmax gives the same result);
-        ``add_mean`` adds mu_K back."""
+        ``add_mean`` adds mu_K back.
+
+        ``path`` ("decode" or "prefill"): which attention path's V. They differ for qk4pv4 only: decode multiplies
+        the fp16 dequantized values, prefill their FP8 image under ``v_scale`` (mpfa.recipes.u4h). qk4pv4's V
+        comes back rotated back to the model's space (``V_rot H``, in float64, then ``dtype``), so that attention
+        on it is the kernels' output after the wrappers' rotation; ``rotated=True`` keeps the rotated values the
+        kernels multiply (qk4pv4 only)."""
+        check_choice("path", path, V_PATHS)
         r = self.recipe
+        if rotated and self.v_rotation is None:
+            raise ValueError(f"rotated=True: recipe {r.name} stores V unrotated (only 4-bit Hadamard V, qk4pv4, "
+                             "is rotated)")
         f = self.fields if pages is None else {n: t[pages.long()] for n, t in self.fields.items()}
         if r.k_format == "bf16":
             k = f["k"].to(dtype)
@@ -72,10 +91,24 @@ class KVCacheLayer:
             k = dequantize_k_per_token(f["k"], f["k_scale"]).to(dtype)
         else:
             k = dequantize_i4rs(f["k8"], f["k"], self._block_scales(f), f["k_scale"]).to(dtype)
-        v = f["v"].to(dtype) if r.v_format == "bf16" else dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
+        if r.v_format == "bf16":
+            v = f["v"].to(dtype)
+        elif r.v_format == "e4m3":
+            v = dequantize_e4m3(f["v"], self.v_scale.unsqueeze(1)).to(dtype)
+        else:
+            v = self._dequantize_u4h(f, path, rotated).to(dtype)
         if add_mean and self.mu_k is not None:
             k = k + self.mu_k.to(dtype).unsqueeze(1)
         return k, v
+
+    def _dequantize_u4h(self, fields: dict, path: str, rotated: bool) -> torch.Tensor:
+        """qk4pv4's V ``[pages, H, P, D]`` float64: the rotated values ``path`` multiplies, rotated back unless
+        ``rotated``."""
+        if path == "decode":
+            v = decode_values(fields["v"], fields["v_param"]).to(torch.float64)
+        else:
+            v = prefill_values(fields["v"], fields["v_param"], self.v_scale.unsqueeze(1))
+        return v if rotated else v @ hadamard(self.head_dim, device=v.device)
 
     def k_operand(self, pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantized K: (the INT8 rows the QK MMA multiplies ``[num_pages, H, P, D]`` int8 (qk4pv8: the i4rs row's
@@ -124,6 +157,9 @@ class PagedKVCache:
         hd = (num_layers, num_kv_heads, head_dim)
         self.mu_k = torch.zeros(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_k else None
         self.v_scale = torch.ones(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_v else None
+        # qk4pv4: the +-1 matrix of the output rotation, made here (outside any CUDA graph) for every wrapper call
+        self.v_rotation = (hadamard_pm1(head_dim, dtype=torch.bfloat16, device=self.device)
+                           if self.recipe.v_format == "u4h" else None)
         # Tokens the append kernel skipped because their slot was at or past num_slots (a kernel in a CUDA
         # graph cannot raise): int32 [1] on the device, read and reset by check_append_slots().
         self.out_of_range_slots = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -187,7 +223,8 @@ class PagedKVCache:
                   nonfinite: str = "raise") -> int:
         """Fix ``layer``'s mu_K and V channel scales from sample keys and values ``[tokens, H_kv, D]``, floating
         point (e.g. the first prefill). V scale = headroom * amax / 448 per channel, so later values up to
-        ``headroom`` times the sample's stay unsaturated. Call before the layer's first append:
+        ``headroom`` times the sample's stay unsaturated (qk4pv4: of the rotated sample V H, mpfa.recipes.u4h.rotate,
+        whose FP8 image prefill multiplies). Call before the layer's first append:
         rows already written keep the scales they were written with.
 
         ``headroom`` is a finite number in [1, 28672] (``V_HEADROOM_RANGE``): below 1 the sample's own
@@ -223,7 +260,9 @@ class PagedKVCache:
                 mean = k_smoothing_mean(k)
             self.mu_k[idx] = mean.to(self.device)
         if self.v_scale is not None:
-            va = v.float().abs()
+            # qk4pv4 stores V H: a row with a non-finite element is non-finite in every rotated channel, and is
+            # left out of every channel's amax (the count returned stays that of the sample's elements)
+            va = (rotate(v) if self.recipe.v_format == "u4h" else v.float()).abs()
             amax = torch.where(torch.isfinite(va), va, torch.zeros_like(va)).amax(dim=0)
             self.v_scale[idx] = torch.where(amax > 0, amax * headroom / E4M3_MAX, torch.ones_like(amax)).to(self.device)
         return ignored

@@ -12,6 +12,7 @@ import torch
 
 from .kv_cache import HEAD_DIMS, PAGE_SIZES
 from .recipes import get_recipe
+from .recipes.u4h import rotate_back
 from .validation import check_choice, check_positive_int, check_tensor
 
 _INDEX = (torch.int32, torch.int64)
@@ -79,19 +80,24 @@ def check_pages_fit(paged: PagedBatch, kv) -> None:
                          f"got page {paged.max_page_index}")
 
 
-def reference_run(q, qo_indptr, kv, paged: PagedBatch, out, return_lse: bool, **attention_kwargs):
-    """Both wrappers' reference path: dequantize only the pages the batch uses, run
-    :func:`mpfa.reference.batch_attention` in float32, return bf16 O (into ``out`` if given)."""
+def reference_run(q, qo_indptr, kv, paged: PagedBatch, out, return_lse: bool, *, path: str, **attention_kwargs):
+    """Both wrappers' reference path (``path``: "decode" or "prefill", the V that path multiplies): dequantize only
+    the pages the batch uses, run :func:`mpfa.reference.batch_attention` in float32, return bf16 O (into ``out`` if
+    given). qk4pv4 (V stored rotated) as its kernels: attention on the rotated V, rounded to bf16, then the
+    wrappers' output rotation (mpfa.recipes.u4h.rotate_back)."""
     from .reference.attention import batch_attention
     ids = paged.paged_kv_indices[: int(paged.paged_kv_indptr[-1])]
-    k_pages, v_pages = kv.dequantize(pages=ids)
+    rotation = kv.v_rotation
+    k_pages, v_pages = kv.dequantize(pages=ids, path=path, rotated=rotation is not None)
     if attention_kwargs.get("k_tile"):   # K as a tile_scale prefill build scores it
         attention_kwargs["k_operand_pages"] = kv.k_operand(pages=ids)
     local = torch.arange(ids.numel(), device=ids.device)
     o, lse = batch_attention(q, qo_indptr, k_pages, v_pages, paged.paged_kv_indptr, local,
                              paged.paged_kv_last_page_len, dtype=torch.float32, **attention_kwargs)
     o = o.to(torch.bfloat16)
-    if out is not None:
+    if rotation is not None:
+        o = rotate_back(o, rotation, out)
+    elif out is not None:
         out.copy_(o)
         o = out
     return (o, lse) if return_lse else o

@@ -15,7 +15,8 @@ for PV; HGMMA for bf16) runs one CTA per (query tile, query head). Every recipe'
 K under one scale per 128-key tile and adds the compensation as one more INT8 k-step of the QK MMA under one
 Q scale per (request, head). ``plan`` validates, builds the query-tile list (longest KV first) and
 the KV-tile list, copies them and the page table into int32 device buffers, carves the workspace, and
-builds/loads the kernel. ``run`` only launches: no host sync.
+builds/loads the kernel. ``run`` only launches: no host sync. qk4pv4 (V stored rotated, V H): the kernel writes
+O_rot into a scratch tensor and ``run`` rotates it back into ``out`` with one bf16 GEMM (mpfa.recipes.u4h.rotate_back).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import torch
 from mpfa_jit import get_kernel
 from mpfa_jit.ops import prefill as prefill_op
 
-from .dispatch import (bind_cache_layer, data_ptr as _ptr, device_index, kernel_arch, kernel_outputs, resolve,
-                       with_reference_hint)
+from .dispatch import (bind_cache_layer, data_ptr as _ptr, device_index, finish_output, kernel_arch, kernel_outputs,
+                       resolve, with_reference_hint)
 from .paged_plan import PagedBatch, check_heads, check_kv_matches, check_pages_fit, check_paged, reference_run
 from .recipes import Recipe
 from .validation import check_sm_scale, check_tensor, check_workspace, check_workspace_tensor
@@ -299,15 +300,17 @@ class BatchPrefillWrapper:
             check_tensor("out", out, dtypes=(torch.bfloat16,), shape=tuple(q.shape), device=kv.device)
         if self.backend == "cuda":
             return self._run_kernel(q, kv, out, return_lse)
-        return reference_run(q, p.qo_indptr, kv, p.paged, out, return_lse, causal=p.causal, sm_scale=p.sm_scale,
+        return reference_run(q, p.qo_indptr, kv, p.paged, out, return_lse, path="prefill", causal=p.causal,
+                             sm_scale=p.sm_scale,
                              recipe=p.recipe, compensation=p.compensation, **prefill_op.numerics(p.recipe.name, p.knobs))
 
     def _run_kernel(self, q, kv, out, return_lse):
         k = self._plan.kernel
-        out, lse = kernel_outputs(q, out, return_lse)
+        written, lse = kernel_outputs(q, out if kv.v_rotation is None else None, return_lse)
         a = k.params
         a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
         bind_cache_layer(a, kv)
-        a.out, a.out_stride_t, a.out_stride_h, a.lse = out.data_ptr(), out.stride(0), out.stride(1), _ptr(lse)
+        a.out, a.out_stride_t, a.out_stride_h, a.lse = written.data_ptr(), written.stride(0), written.stride(1), _ptr(lse)
         k.fn(ctypes.byref(a), k.device_index, torch.cuda.current_stream(q.device).cuda_stream)
+        out = finish_output(written, kv, out)
         return (out, lse) if return_lse else out

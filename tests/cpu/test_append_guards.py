@@ -16,7 +16,7 @@ from mpfa_jit.errors import KernelAbiError
 from mpfa_jit.ops import append_kv as append_op
 
 ARCH = "sm_90a"
-RECIPES = ("bf16", "qk8pv8", "qk4pv8")
+RECIPES = ("bf16", "qk8pv8", "qk4pv8", "qk4pv4")
 
 
 def _cache(recipe, num_layers=3, num_pages=5, page_size=16, heads=2, head_dim=64):
@@ -92,7 +92,7 @@ def _nonfinite_rows(head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8", "qk4pv4"])
 def test_nonfinite_k_row_gets_nan_scale_and_v_nan_bytes(recipe, head_dim):
     cache = _cache(recipe, head_dim=head_dim)
     cache.calibrate(0, _rows(32, 2, head_dim, 7), _rows(32, 2, head_dim, 8))
@@ -110,19 +110,38 @@ def test_nonfinite_k_row_gets_nan_scale_and_v_nan_bytes(recipe, head_dim):
                 if name in got:
                     assert torch.equal(got[name][t, h].reshape(-1).view(torch.uint8),
                                        alone[name][0, 0].reshape(-1).view(torch.uint8)), name
-    vb = got["v"]
-    nonfinite_v = ~torch.isfinite(v.float())
-    assert ((vb[nonfinite_v] & 0x7F) == 0x7F).all(), "NaN and +-inf V are stored as E4M3 NaN, never 448"
-    assert vb[5, 1, 2] == 0x7E, "a finite V past the scale saturates to 448"
-    finite_rows = quantize_rows(cache.recipe, k, torch.where(nonfinite_v, torch.zeros_like(v), v), layer.mu_k,
-                                layer.v_scale)["v"]
-    assert torch.equal(vb[~nonfinite_v], finite_rows[~nonfinite_v])
-    # Written to the cache, such a key reads back as NaN in every channel; the finite ones stay finite.
+    if cache.recipe.v_format == "u4h":
+        # 4-bit Hadamard V: a non-finite element reaches every rotated channel, and 3e38 overflows the fp16 zero
+        # points: those rows store NaN parameters and codes 0 in every group; the other rows as quantized alone
+        bad_v = {(4, 0), (4, 1), (5, 1)}
+        for t, h in itertools.product(range(6), range(2)):
+            if (t, h) in bad_v:
+                assert torch.isnan(got["v_param"][t, h]).all() and (got["v"][t, h] == 0).all(), (t, h)
+            else:
+                alone = quantize_rows(cache.recipe, k[t:t + 1, h:h + 1], v[t:t + 1, h:h + 1], layer.mu_k[h:h + 1],
+                                      layer.v_scale[h:h + 1])
+                assert torch.equal(got["v"][t, h], alone["v"][0, 0]) and torch.equal(got["v_param"][t, h],
+                                                                                    alone["v_param"][0, 0])
+    else:
+        bad_v = set()
+        vb = got["v"]
+        nonfinite_v = ~torch.isfinite(v.float())
+        assert ((vb[nonfinite_v] & 0x7F) == 0x7F).all(), "NaN and +-inf V are stored as E4M3 NaN, never 448"
+        assert vb[5, 1, 2] == 0x7E, "a finite V past the scale saturates to 448"
+        finite_rows = quantize_rows(cache.recipe, k, torch.where(nonfinite_v, torch.zeros_like(v), v), layer.mu_k,
+                                    layer.v_scale)["v"]
+        assert torch.equal(vb[~nonfinite_v], finite_rows[~nonfinite_v])
+    # Written to the cache, such a key reads back as NaN in every channel; the finite ones stay finite (4-bit V:
+    # the same for values, on both attention paths).
     mpfa.append_kv(k, v, layer, torch.arange(6) * 3, backend="reference")
-    kd, vd = layer.dequantize()
-    keys = kd.transpose(1, 2).reshape(-1, 2, head_dim)[torch.arange(6) * 3]
-    for t, h in itertools.product(range(6), range(2)):
-        assert torch.isnan(keys[t, h]).all() if (t, h) in bad_k else torch.isfinite(keys[t, h]).all()
+    for path in ("decode", "prefill"):
+        kd, vd = layer.dequantize(path=path)
+        keys = kd.transpose(1, 2).reshape(-1, 2, head_dim)[torch.arange(6) * 3]
+        values = vd.transpose(1, 2).reshape(-1, 2, head_dim)[torch.arange(6) * 3]
+        for t, h in itertools.product(range(6), range(2)):
+            assert torch.isnan(keys[t, h]).all() if (t, h) in bad_k else torch.isfinite(keys[t, h]).all()
+            if bad_v:
+                assert torch.isnan(values[t, h]).all() if (t, h) in bad_v else torch.isfinite(values[t, h]).all()
 
 
 def test_bf16_cache_stores_nonfinite_values_as_given():

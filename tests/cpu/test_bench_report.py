@@ -333,7 +333,7 @@ def test_suites_are_discovered_and_complete():
 def test_append_cases_cover_recipes_and_page_sizes():
     mine = [c for c in append.cases() if c["impl"] == "mpfa"]
     assert {(c["recipe"], c["page_size"]) for c in mine} == {
-        (r, p) for r in ("bf16", "qk8pv8", "qk4pv8") for p in (16, 1)}
+        (r, p) for r in ("bf16", "qk8pv8", "qk4pv8", "qk4pv4") for p in (16, 1)}
     assert all(c["tokens"] == 32768 and c["kv_heads"] == 8 and c["head_dim"] == 128 for c in mine)
 
 

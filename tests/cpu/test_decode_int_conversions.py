@@ -28,11 +28,13 @@ S8_EXP, S8_FLIP, S8_BIAS, S8_SEL_LO, S8_SEL_HI = 0x64646464, 0x80808080, 0x64806
 BS_MASK, BS_EXP, BS_BIAS, BS_FACTOR = 0xFF, 0x6400, 0x64006400, 0xD4802C00
 S4_MASK, S4_EXP_SIGN = 0x00F000F0, 0x64806480
 AND_XOR_LUT = 0x6A
+U4_MASK_LO, U4_MASK_HI, U4_EXP_LO, U4_EXP_HI = 0x000F000F, 0x00F000F0, 0x64006400, 0x54005400
 CONSTANTS = {
     "lop3_and_xor": {AND_XOR_LUT},
     "s8x4_to_f16x2": {S8_EXP, S8_FLIP, S8_BIAS, S8_SEL_LO, S8_SEL_HI},
     "i4rs_block_scale_f16x2": {BS_MASK, BS_EXP, BS_BIAS, BS_FACTOR},
     "s4x8_to_f16x2_scaled": {S4_MASK, S4_EXP_SIGN},
+    "u4x2_rows_to_f16x2": {U4_MASK_LO, U4_MASK_HI, U4_EXP_LO, U4_EXP_HI},
 }
 
 
@@ -112,6 +114,13 @@ def s4x8_to_f16x2_scaled(w, scale):
     b, off = _broadcast_half(scale, 0), _broadcast_half(scale, 1)
     shifted = [w << 4, w, w >> 4, w >> 8]
     return [_hfma2(_lop3(y, S4_MASK, S4_EXP_SIGN, AND_XOR_LUT), b, off) for y in shifted]
+
+
+def u4x2_rows_to_f16x2(two_rows, scale, zero):
+    """(even, odd) f16x2 words: the low and the high nibble of each half's low byte, q * scale + zero."""
+    even = _hfma2(_hsub2(_lop3(two_rows, U4_MASK_LO, U4_EXP_LO, AND_XOR_LUT), U4_EXP_LO), scale, zero)
+    odd = _hfma2(_hsub2(_lop3(two_rows, U4_MASK_HI, U4_EXP_HI, AND_XOR_LUT), U4_EXP_HI), scale, zero)
+    return even, odd
 
 
 def _words(byte_rows):
@@ -258,6 +267,30 @@ def test_a_threads_k_operand_is_the_references_int8_row(head_dim):
     assert len(got_low) == low.sum() and len(got_nib) == (~low).sum(), "the four lanes must cover every channel once"
     assert np.array_equal(np.stack(got_low, axis=1), ref[:, low])
     assert np.array_equal(np.stack(got_nib, axis=1), ref[:, ~low])
+
+
+def test_u4_every_code_pair_is_the_references_fp16_value():
+    """qk4pv4's V in decode (u4x2_rows_to_f16x2): every byte (two codes) of two rows, under fp16 scales and zero
+    points from subnormal to large and of both signs, must give recipes/u4h.py decode_values bit for bit (the
+    exact q * scale + zero rounded once); the bits above each half's byte are ignored."""
+    from mpfa.recipes import u4h
+    rng = np.random.default_rng(2)
+    n = 4096
+    byte = rng.integers(0, 256, size=(n, 2)).astype(np.uint64)
+    junk = rng.integers(0, 256, size=(n, 2)).astype(np.uint64) << np.uint64(8)   # prmt leaves a copy there
+    scale = np.float16(np.exp2(rng.uniform(-24, 6, size=(n, 2))))                # fp16 subnormals .. 64
+    zero = np.float16(rng.choice([-1, 1], size=(n, 2)) * np.exp2(rng.uniform(-24, 8, size=(n, 2))))
+    zero[:64] = 0.0
+    word = lambda a: _pack(a[:, 0].astype(np.float64), a[:, 1].astype(np.float64))   # noqa: E731
+    two_rows = (byte[:, 0] | junk[:, 0]) | ((byte[:, 1] | junk[:, 1]) << np.uint64(16))
+    even, odd = u4x2_rows_to_f16x2(two_rows, word(scale), word(zero))
+    for row in range(2):
+        param = torch.from_numpy(np.stack([scale[:, row], zero[:, row]], axis=1).astype(np.float16))
+        param = torch.cat([param, torch.ones(n, 2, dtype=torch.float16)], dim=1)      # D = 64: two groups
+        packed = torch.zeros(n, 32, dtype=torch.uint8)
+        packed[:, 0] = torch.from_numpy(byte[:, row].astype(np.uint8))
+        want = u4h.decode_values(packed, param)[:, :2].double().numpy()
+        assert np.array_equal(_halves(even)[row], want[:, 0]) and np.array_equal(_halves(odd)[row], want[:, 1]), row
 
 
 def test_q_is_packed_in_the_nibble_pairs_of_the_header():

@@ -54,10 +54,12 @@ def test_templates_are_found_as_installed():
 def test_render_substitutes_parameters_and_rejects_missing_ones():
     src = _spec("qk4pv8", 64, 32).render()
     assert "constexpr int kHeadDim = 64;" in src and "constexpr int kPageSize = 32;" in src
-    # the cache row from the Field table: k, k8, k_block_scale, k_scale, v bytes (d64: 16, 32, 4, 4, 64)
-    assert "kRecipe = mpfa::Recipe::kQk4pv8;" in src and "mpfa::CacheLayout<kRecipe, kHeadDim, 16, 32, 4, 4, 64>" in src
+    # the cache row from the Field table: k, k8, k_block_scale, k_scale, v, v_param bytes (d64: 16, 32, 4, 4, 64, 0)
+    assert "kRecipe = mpfa::Recipe::kQk4pv8;" in src
+    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 16, 32, 4, 4, 64, 0>" in src
     bf16 = _spec("bf16", 128, 1).render()
-    assert "kRecipe = mpfa::Recipe::kBf16;" in bf16 and "mpfa::CacheLayout<kRecipe, kHeadDim, 256, 0, 0, 0, 256>" in bf16
+    assert "kRecipe = mpfa::Recipe::kBf16;" in bf16
+    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 256, 0, 0, 0, 256, 0>" in bf16
     with pytest.raises(jinja2.UndefinedError):
         render("append_kv.cu.jinja", {"recipe": "qk4pv8", "arch": ARCH})
 
@@ -75,7 +77,7 @@ def test_keys_name_parameters_and_uris_hash_what_is_built(monkeypatch):
 
 
 def test_bad_specs_raise_clear_errors():
-    with pytest.raises(ValueError, match=r"recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"):
+    with pytest.raises(ValueError, match=r"recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8', 'qk4pv4'\], got 'fp4'"):
         append_kv.spec(recipe="fp4", head_dim=128, page_size=16, arch=ARCH)
     with pytest.raises(ValueError, match=r"head_dim must be one of \[64, 128\], got 96"):
         append_kv.spec(recipe="bf16", head_dim=96, page_size=16, arch=ARCH)

@@ -62,7 +62,7 @@ def test_params_mirror_is_naturally_aligned():
         assert getattr(prefill_op.PrefillParams, name).offset == off, name
         off += size
     assert ctypes.sizeof(prefill_op.PrefillParams) == -(-off // 8) * 8
-    assert len(prefill_op.PrefillParams._fields_) == 38
+    assert len(prefill_op.PrefillParams._fields_) == 39
 
 
 def test_specs_and_unsupported_shapes():
@@ -87,8 +87,8 @@ def test_render_substitutes_parameters():
     src = prefill_op.spec(recipe="qk8pv8", head_dim=64, page_size=32, arch=ARCH).render()
     assert "mpfa::Recipe::kQk8pv8;" in src and "constexpr int kPageSize = 32;" in src
     assert "constexpr int kHeadDim = 64;" in src
-    # the cache row's widths from the Field table: k, k8, k_block_scale, k_scale, v
-    assert "using Layout = mpfa::CacheLayout<kRecipe, kHeadDim, 64, 0, 0, 4, 64>;" in src
+    # the cache row's widths from the Field table: k, k8, k_block_scale, k_scale, v, v_param
+    assert "using Layout = mpfa::CacheLayout<kRecipe, kHeadDim, 64, 0, 0, 4, 64, 0>;" in src
 
 
 def test_tile_schedule_covers_every_row_once_longest_first():

@@ -373,7 +373,7 @@ def test_q_smoothing_mean_ragged():
 def test_get_recipe_error_names_accepted(bad):
     with pytest.raises(ValueError, match="recipe must be one of") as e:
         get_recipe(bad)
-    for name in ("bf16", "qk8pv8", "qk4pv8"):
+    for name in ("bf16", "qk8pv8", "qk4pv8", "qk4pv4"):
         assert name in str(e.value)
 
 
@@ -382,11 +382,11 @@ def test_get_recipe_accepts_names_and_objects():
         assert get_recipe(name) is r
         assert get_recipe(r) is r
         assert isinstance(r, Recipe) and r.name == name
-    assert set(RECIPES) == {"bf16", "qk8pv8", "qk4pv8"}
+    assert set(RECIPES) == {"bf16", "qk8pv8", "qk4pv8", "qk4pv4"}
 
 
-@pytest.mark.parametrize("d,want", [(128, {"bf16": 512, "qk8pv8": 260, "qk4pv8": 232}),
-                                    (64, {"bf16": 256, "qk8pv8": 132, "qk4pv8": 120})])
+@pytest.mark.parametrize("d,want", [(128, {"bf16": 512, "qk8pv8": 260, "qk4pv8": 232, "qk4pv4": 184}),
+                                    (64, {"bf16": 256, "qk8pv8": 132, "qk4pv8": 120, "qk4pv4": 96})])
 def test_bytes_per_token_head(d, want):
     for name, b in want.items():
         assert get_recipe(name).bytes_per_token_head(d) == b
@@ -397,6 +397,10 @@ def test_recipe_flags():
     r8, r4 = get_recipe("qk8pv8"), get_recipe("qk4pv8")
     assert r8.quantized_q and r8.quantized_k and r8.quantized_v and r8.q_format == r8.k_format == "int8"
     assert r4.quantized_q and r4.quantized_k and r4.quantized_v and r4.q_format == "int8" and r4.k_format == "i4rs"
+    v4 = get_recipe("qk4pv4")   # qk4pv8's Q and K, 4-bit Hadamard V
+    assert v4.quantized_q and v4.quantized_k and v4.quantized_v and (v4.q_format, v4.k_format, v4.v_format) == (
+        "int8", "i4rs", "u4h")
+    assert v4.fields[:4] == r4.fields[:4]
 
 
 def test_kernel_magic_rounding_is_rni_and_its_bits_hold_the_integer():
@@ -445,7 +449,7 @@ def test_quantize_k4rs(d):
 # refuse a non-finite or non-positive sm_scale
 # --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8", "qk4pv8"])
+@pytest.mark.parametrize("recipe", ["bf16", "qk8pv8", "qk4pv8", "qk4pv4"])
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_calibrate_refuses_nonfinite_samples_and_keeps_the_scales(recipe, which, bad):

@@ -10,6 +10,7 @@ import itertools
 import pytest
 import torch
 
+from mpfa.recipes import u4h
 from mpfa.recipes.fp8 import as_e4m3
 from mpfa.reference import gather_pages, kernel_q_mean, prefill_kernel_attention
 from mpfa_jit.ops import prefill as prefill_op
@@ -17,7 +18,7 @@ from mpfa_jit.ops import prefill as prefill_op
 gpu = importlib.import_module("tests.gpu.test_prefill_gpu")
 batches = importlib.import_module("tests.gpu.conftest")
 
-QUANTIZED = ("qk8pv8", "qk4pv8")
+QUANTIZED = ("qk8pv8", "qk4pv8", "qk4pv4")
 # Fewer heads and shorter requests than the GPU cases (two CPU cores), the same kinds: no prefix, a prefix not
 # page-aligned, chunks over several 64-row Q tiles and 128-key tiles, a one-row chunk, an empty one.
 REQUESTS = [(0, 1), (53, 200), (300, 77), (0, 150), (17, 0)]
@@ -40,20 +41,24 @@ def _served(recipe):
 
 
 def _request_kv(layer, indptr, indices, lengths, b):
-    """Request b's K operand (INT8 rows, scales) or bf16 K, and V (dequantized, float64)."""
+    """Request b's K operand (INT8 rows, scales) or bf16 K, and V (dequantized, float64; qk4pv4: the rotated V's FP8
+    image times v_scale, which the kernel multiplies)."""
     ids = indices[int(indptr[b]):int(indptr[b + 1])].long()
     local = torch.arange(ids.numel())
     m = lengths[b]
     if layer.recipe.quantized_q:
         k = tuple(gather_pages(x, local, m) for x in layer.k_operand(pages=ids))
-        v = as_e4m3(gather_pages(layer.fields["v"][ids], local, m)).double() * layer.v_scale.double()
+        if layer.recipe.v_format == "u4h":
+            v = gather_pages(layer.dequantize(torch.float64, pages=ids, path="prefill", rotated=True)[1], local, m)
+        else:
+            v = as_e4m3(gather_pages(layer.fields["v"][ids], local, m)).double() * layer.v_scale.double()
     else:
         k = gather_pages(layer.fields["k"][ids], local, m)
         v = gather_pages(layer.fields["v"][ids], local, m)
     return k, v
 
 
-@pytest.fixture(scope="module", params=("qk8pv8", "qk4pv8", "bf16"))
+@pytest.fixture(scope="module", params=("qk8pv8", "qk4pv8", "qk4pv4", "bf16"))
 def served(request):
     """One batch per recipe with every reference of the GPU test (compensation on), computed once."""
     recipe = request.param
@@ -108,9 +113,13 @@ def test_running_maximum_alone_moves_p_by_a_fraction_of_the_old_floor():
 
 def _stand_in_kernel(model, recipe, gen):
     """What the kernel returns, as far as the model knows it: the model's output with the P V accumulation error
-    the bound allows at half its size (random signs), rounded to bf16; its LSE in float32."""
+    the bound allows at half its size (random signs), rounded to bf16; its LSE in float32. qk4pv4: that in the
+    rotated space where the kernel accumulates, then the wrapper's rotation back (mpfa.recipes.u4h.rotate_back)."""
     fam = "bf16" if recipe == "bf16" else "fp8"
     noise = (torch.rand(model.o.shape, generator=gen, dtype=torch.float64) * 2 - 1) * gpu.U_ACC[fam] / 2
+    if model.o_rot is not None:
+        o_rot = (model.o_rot + noise * model.o_abs).to(torch.bfloat16)
+        return u4h.rotate_back(o_rot, u4h.hadamard_pm1(o_rot.shape[-1], dtype=torch.bfloat16)), model.lse.float()
     return (model.o + noise * model.o_abs).to(torch.bfloat16), model.lse.to(torch.float32)
 
 

@@ -166,7 +166,7 @@ def test_page_size_must_match_sglang():
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"MPFA_RECIPE": "fp4"}, r"MPFA_RECIPE must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
+    ({"MPFA_RECIPE": "fp4"}, r"MPFA_RECIPE must be one of \['bf16', 'qk8pv8', 'qk4pv8', 'qk4pv4'\], got 'fp4'"),
     ({"MPFA_COMPENSATION": "maybe"}, r"MPFA_COMPENSATION must be a boolean"),
     ({"MPFA_PAGE_SIZE": "sixteen"}, r"MPFA_PAGE_SIZE must be one of"),
     ({"MPFA_KERNEL_BACKEND": "cuda"}, r"MPFA_KERNEL_BACKEND must be one of \['auto', 'reference'\]"),
@@ -183,7 +183,7 @@ def test_bad_settings(env, match):
      r"mpfa.page_size: state the page size once, as sglang.page-size"),
     ("model: m\nsglang: {page-size: 12}\n", r"sglang.page-size must be one of \[1, 16, 32, 64\], got 12"),
     ("model: m\nsglang: {tp-size: 0}\n", r"sglang.tp-size must be a positive integer, got 0"),
-    ("model: m\nmpfa: {recipe: fp4}\n", r"mpfa.recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'"),
+    ("model: m\nmpfa: {recipe: fp4}\n", r"mpfa.recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8', 'qk4pv4'\], got 'fp4'"),
     ("model: m\nmpfa: {compensation: maybe}\n", r"mpfa.compensation must be a boolean"),
     ("sglang: {page-size: 16}\n", r"missing 'model'"),
     ("model: m\nmodle: x\n", r"unknown top-level keys \['modle'\]"),

@@ -38,9 +38,10 @@ def test_the_kernels_cache_row_is_rendered_from_the_field_table():
     C++ side has no name for is refused at render time, naming it."""
     enum = (ROOT / "templates" / "include" / "mpfa" / "cache_layout.cuh").read_text()
     params = re.search(r"template <Recipe R, int HeadDim, ([^>]*)>\s*struct CacheLayout", enum).group(1)
-    assert [re.sub(r"Bytes$", "", p.split()[1]) for p in params.split(", ")] == [
+    assert [re.sub(r"Bytes$", "", p.split()[1]) for p in re.split(r",\s*", params.strip())] == [
         "".join(w.capitalize() for w in f.split("_")) for f in LAYOUT_FIELDS]
-    assert layout_args("qk4pv8", 128) == (32, 64, 4, 4, 128) and layout_args("bf16", 64) == (128, 0, 0, 0, 128)
+    assert layout_args("qk4pv8", 128) == (32, 64, 4, 4, 128, 0) and layout_args("bf16", 64) == (128, 0, 0, 0, 128, 0)
+    assert layout_args("qk4pv4", 128) == (32, 64, 4, 4, 64, 16) and layout_args("qk4pv4", 64) == (16, 32, 4, 4, 32, 8)
     odd = Recipe("odd", "int8", "int8", "e4m3", (Field("k", "int8", "D"), Field("k_zero", "int8", "1")))
     with pytest.raises(ValueError, match=r"cache fields \['k_zero'\] that mpfa::CacheLayout does not name"):
         layout_args(odd, 128)
@@ -71,7 +72,7 @@ def test_the_cache_and_the_server_read_the_op_tables():
     (lambda: prefill.spec(recipe="qk4pv8", head_dim=128, page_size=16, group_size=10, arch=ARCH),
      r"no batch-prefill kernel for .*group_size=10: group_size must be in 1\.\.8, got 10$"),
     (lambda: append_kv.spec(recipe="fp4", head_dim=96, page_size=16, arch=ARCH),
-     r"no KV append kernel for .*: recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8'\], got 'fp4'; "
+     r"no KV append kernel for .*: recipe must be one of \['bf16', 'qk8pv8', 'qk4pv8', 'qk4pv4'\], got 'fp4'; "
      r"head_dim must be one of \[64, 128\], got 96$"),
 ])
 def test_unsupported_spec_names_the_value_and_the_table(make, match):

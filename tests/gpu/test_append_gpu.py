@@ -31,6 +31,9 @@ def _poison(cache):
 
 
 def _same_bytes(a, b):
+    if a.dtype == torch.float16:   # qk4pv4's v_param: bit for bit, a NaN of any payload (the contract leaves it open)
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        return torch.equal(nan_a, nan_b) and torch.equal(a.view(torch.int16)[~nan_a], b.view(torch.int16)[~nan_b])
     if a.dtype == torch.float32:
         return torch.equal(a.view(torch.int32), b.view(torch.int32))
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -116,6 +119,10 @@ def test_append_int32_slots_and_graph_replay(recipe, shared_jit_cache, bf16_rows
 #   the spacing is 2^(e-3) and round-to-nearest errs by at most half of it, 2^(e-4) (<= 2^-4 |z|); below 2^-6
 #   (subnormals) the spacing is 2^-9, the error <= 2^-10. The calibration on these very rows keeps
 #   |z| <= 448 / headroom: nothing saturates. So |v - e4m3(z) c| <= 2^(max(floor(log2|z|), -6) - 4) c.
+# - 4-bit Hadamard V (qk4pv4), in the rotated space r = V H where it is quantized: per 32 channels the step is
+#   s = fp16((max - min) / 15) and rni leaves |r - (q s + zero)| <= s / 2, or, where the fp16 zero point rounded
+#   above the group's minimum and code 0 clamps, half an fp16 ulp of it (2^-11 |zero|); the decode path's fp16
+#   rounding adds 2^-11 of the value.
 SLACK = 2.0 ** -20
 
 
@@ -151,6 +158,17 @@ def _v_error_bound(v, scale):
     return torch.ldexp(scale.expand_as(z), e - 4) + SLACK * v.abs()
 
 
+def _u4h_ratio(layer, as_rows, v):
+    """qk4pv4: the largest |decode - r| / bound over the stored rows, r = V H in float32 (see above)."""
+    from mpfa.recipes import u4h
+    codes, v_param = (as_rows(layer.fields[name].cpu()) for name in ("v", "v_param"))
+    r = u4h.rotate(v).double()
+    dec = u4h.decode_values(codes, v_param).double()
+    scale, zero = (t.double().repeat_interleave(u4h.GROUP, dim=-1) for t in u4h.split_param(v_param))
+    bound = scale / 2 + 2.0 ** -11 * (zero.abs() + r.abs() + scale) + SLACK * (r.abs() + scale)
+    return ((dec - r).abs() / bound).max().item()
+
+
 def check_roundtrip_within_format(recipe, layer, k, v):
     """Every stored element of tokens 0..n-1 (slot = token) dequantizes to its input within its format's
     rounding (bounds above). Returns the largest error / bound ratio of K and of V."""
@@ -166,8 +184,12 @@ def check_roundtrip_within_format(recipe, layer, k, v):
     bs = layer.fields.get("k_block_scale")
     bs = None if bs is None else as_rows(bs[..., : d // 32].cpu())
     k_ratio = ((kd - x).abs() / _k_error_bound(recipe, x, bs)).max().item()
-    v_ratio = ((vd - v).abs() / _v_error_bound(v, layer.v_scale.float().cpu())).max().item()
     assert k_ratio <= 1, f"{recipe}: a K element is {k_ratio:.3f}x its format's rounding bound from its input"
+    if layer.recipe.v_format == "u4h":
+        v_ratio = _u4h_ratio(layer, as_rows, v)
+        assert v_ratio <= 1, f"{recipe}: a rotated V element is {v_ratio:.3f}x the 4-bit half step from its input"
+        return k_ratio, v_ratio
+    v_ratio = ((vd - v).abs() / _v_error_bound(v, layer.v_scale.float().cpu())).max().item()
     assert v_ratio <= 1, f"{recipe}: a V element is {v_ratio:.3f}x E4M3's half spacing from its input"
     return k_ratio, v_ratio
 
@@ -304,6 +326,15 @@ def test_append_nonfinite_rows_give_the_defined_bytes(recipe, head_dim, shared_j
     for name in ("k", "k8", "k_block_scale"):
         if name in got:
             assert _same_bytes(got[name][~bad_k], want[name][~bad_k]), f"{name}: a finite row differs"
+    if layer.recipe.v_format == "u4h":
+        # the rotation mixes every channel: a non-finite row, or one whose rotated values pass fp16's range (3e38),
+        # stores NaN parameters and codes 0 in every group; every other row is the reference's, bytes and params
+        bad_rows = ~torch.isfinite(v.cpu()).all(dim=-1)
+        bad_rows[9, 0] = True
+        assert torch.isnan(got["v_param"][bad_rows]).all() and (got["v"][bad_rows] == 0).all()
+        assert _same_bytes(got["v"][~bad_rows], want["v"][~bad_rows])
+        assert _same_bytes(got["v_param"][~bad_rows], want["v_param"][~bad_rows])
+        return
     bad_v = ~torch.isfinite(v.cpu())
     assert ((got["v"][bad_v] & 0x7F) == 0x7F).all(), "NaN and +-inf V are stored as E4M3 NaN"
     assert _same_bytes(got["v"][~bad_v], want["v"][~bad_v]), "finite V (saturating, subnormal, -0 included)"

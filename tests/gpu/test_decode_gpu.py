@@ -44,7 +44,12 @@ def _rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _check(o, lse, o_ref, lse_ref, tol=5e-3):
+def _check(o, lse, o_ref, lse_ref, tol=5e-3, recipe=None):
+    """Per request rel-L2 <= ``tol``; a recipe whose V is stored rotated (qk4pv4) rounds its output to bf16 once
+    more (the kernel's O_rot, before the wrapper's O = O_rot H): at most 2^-9 more in rel-L2 (round to nearest,
+    8 significant bits; H keeps norms)."""
+    if recipe is not None and RECIPE_TABLE[recipe].v_format == "u4h":
+        tol += 2.0 ** -9
     assert torch.isfinite(o).all(), "output has non-finite elements (unwritten or NaN read)"
     for b in range(o.shape[0]):
         err = _rel_l2(o[b], o_ref[b])
@@ -71,7 +76,7 @@ def test_decode_matches_fp64_reference(recipe, head_dim, page_size, group, paged
     assert o.data_ptr() == out.data_ptr()
     torch.cuda.synchronize()
     o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
-    _check(o, lse, o_ref, lse_ref)
+    _check(o, lse, o_ref, lse_ref, recipe=recipe)
 
 
 @pytest.mark.parametrize("recipe,group", list(itertools.product(RECIPES, (2, 6, 7))))
@@ -89,7 +94,7 @@ def test_decode_remaining_group_sizes(recipe, group, paged_batch, bf16_rows, sha
     o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
     torch.cuda.synchronize()
     o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
-    _check(o, lse, o_ref, lse_ref)
+    _check(o, lse, o_ref, lse_ref, recipe=recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -109,7 +114,7 @@ def test_forced_num_splits_agree(recipe, paged_batch, bf16_rows, shared_jit_cach
             assert w.num_splits == splits
         o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
         torch.cuda.synchronize()
-        _check(o, lse, o_ref, lse_ref)
+        _check(o, lse, o_ref, lse_ref, recipe=recipe)
         results.append(o.float())
     for r in results[1:]:
         assert _rel_l2(r, results[0]) <= 3e-3
@@ -139,11 +144,11 @@ def test_fixed_split_size_is_batch_invariant(recipe, paged_batch, bf16_rows, sha
 
     splits, o_own, lse_own = run(None)
     assert splits == -(-4097 // 512)
-    _check(o_own, lse_own, o_ref, lse_ref)
+    _check(o_own, lse_own, o_ref, lse_ref, recipe=recipe)
     _, o_big, lse_big = run(40)
     assert torch.equal(o_big, o_own) and torch.equal(lse_big, lse_own)
     _, o_small, lse_small = run(3)   # 4097 and 2500 tokens need 9 and 5 splits of 512: remainders
-    _check(o_small, lse_small, o_ref, lse_ref)
+    _check(o_small, lse_small, o_ref, lse_ref, recipe=recipe)
     for b in (2, 3, 6):
         pages = indices[int(indptr[b]):int(indptr[b + 1])]
         ip1 = torch.tensor([0, pages.numel()], dtype=torch.int32, device="cuda")
@@ -190,7 +195,7 @@ def test_large_query_and_empty_request(paged_batch, bf16_rows, shared_jit_cache)
         o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
         torch.cuda.synchronize()
         o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths, sm_scale=1e-4)
-        _check(o, None, o_ref, lse_ref)
+        _check(o, None, o_ref, lse_ref, recipe=recipe)
         assert torch.allclose(lse.double(), lse_ref, atol=1e-2, rtol=1e-4)
     # An empty request (0 pages, last_page_len 0) between two others.
     batch = paged_batch("qk4pv8", d, p, hkv, [50, 20], gen)
@@ -205,7 +210,7 @@ def test_large_query_and_empty_request(paged_batch, bf16_rows, shared_jit_cache)
         torch.cuda.synchronize()
         assert (o[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] < 0).all()
         o_ref, lse_ref = _reference(q[[0, 2]], layer, indptr, indices, [50, 20])
-        _check(o[[0, 2]], lse[[0, 2]], o_ref, lse_ref)
+        _check(o[[0, 2]], lse[[0, 2]], o_ref, lse_ref, recipe="qk4pv8")
 
 
 @pytest.mark.parametrize("refresh", ["plan", "update_page_table", "split_size"])
@@ -280,7 +285,7 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shar
         assert torch.equal(lse_g, lse_e)
         if step % 10 == 9:
             o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
-            _check(out, lse_g, o_ref, lse_ref)
+            _check(out, lse_g, o_ref, lse_ref, recipe=recipe)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -14,7 +14,8 @@ for the quantized ones (their cache stores a NaN scale / E4M3 NaN), give NaN:
   scale NaN (docs/api.md states it; the test pins it, see K_TILE_SPREAD);
 * in one appended V row (token t, KV head g, channel c): in channel c of the same outputs; channel c of
   g's other rows may be NaN too (docs/api.md: a masked key's V meets a zero probability in the tile's MMA), or
-  equal to the clean run.
+  equal to the clean run. qk4pv4 stores V rotated (V H mixes every channel), so the whole row is stored NaN and
+  every channel of those outputs is: v_channels.
 inf with bf16 is IEEE arithmetic: in Q (channel c) it makes every visible score +-inf or NaN, and the
 set-up has a visible key with q[c] * k[c] >= 0, so (r, h) is NaN (exp(inf - inf)); in K (channel c) the
 score of t is sign(q[c]) * inf for each row and head that sees t: NaN where q[c] >= 0 (0 * inf is NaN
@@ -59,6 +60,11 @@ K_TILE_SPREAD = tuple(r for r in RECIPE_TABLE if prefill_op.SERVED_KNOBS[r].get(
 # Decode lengths: request 1 gets the poison, long enough to be cut into several KV splits.
 DECODE_LENGTHS = [300, 1500, 64, 777]
 DECODE_TARGET, DECODE_TOKEN = 1, 1100
+
+
+def v_channels(recipe):
+    """The output channels one non-finite V element reaches: its own, or every one where V is stored rotated."""
+    return slice(None) if RECIPE_TABLE[recipe].v_format == "u4h" else CHANNEL
 
 
 def _seed(*parts, device="cuda"):
@@ -200,8 +206,8 @@ def prefill_case(recipe, head_dim, where, bad, paged_batch, bf16_rows, device="c
             tile_first_key = (prefix + PREFILL_TOKEN_IN_CHUNK) // KV_TILE * KV_TILE
             expect.nan[first + tile_first_key - prefix:sees_token.start, group_heads] = True
     else:
-        (expect.nonfinite if ieee_inf else expect.nan)[sees_token, group_heads, CHANNEL] = True
-        expect.nan_or_equal[hidden, group_heads, CHANNEL] = True
+        (expect.nonfinite if ieee_inf else expect.nan)[sees_token, group_heads, v_channels(recipe)] = True
+        expect.nan_or_equal[hidden, group_heads, v_channels(recipe)] = True
     _assert_pattern(o, clean, expect, f"prefill {recipe} d{head_dim} {bad} in {where}")
 
 
@@ -247,7 +253,7 @@ def decode_case(recipe, head_dim, where, bad, num_splits, paged_batch, bf16_rows
     elif where == "k":
         expect.nan[DECODE_TARGET, group_heads] = True
     else:
-        (expect.nonfinite if ieee_inf else expect.nan)[DECODE_TARGET, group_heads, CHANNEL] = True
+        (expect.nonfinite if ieee_inf else expect.nan)[DECODE_TARGET, group_heads, v_channels(recipe)] = True
     _assert_pattern(o, clean, expect, f"decode {recipe} d{head_dim} splits {num_splits} {bad} in {where}")
 
 

@@ -29,6 +29,10 @@ Tolerances:
     row for the FP8 recipes;
   - the epilogue's fp32 (O * (1/l) * v_scale: three roundings, 2^-22) and double rounding to bf16 at ties:
     FLOOR = 2^-12.
+  - qk4pv4 (V stored as 4-bit codes of V H): the kernel writes O_rot = P V_rot (the model's ``o_rot``, whose PV error
+    the terms above bound in the rotated space: norms carry over, H being orthonormal) rounded to bf16, and the
+    wrapper rounds O = O_rot H to bf16 again after one bf16 GEMM (fp32 accumulation: 2^-24 D, inside FLOOR): one
+    more bf16 rounding, err_out_rot = rel-L2(bf16(o_rot), o_rot) per request and 2^-8 per row.
   Per request: rel-L2(kernel, model) <= 2 * sqrt(err_out^2 + (U_ACC R_abs)^2 + (U_P R_rest)^2 + FLOOR^2)
   (R = ||o_abs|| / ||o||, the errors independent, x2 safety; an E4M3 flip moves one row, which the request's
   rel-L2 divides by the square root of its rows: only a request of a few rows with a near-tie could feel it,
@@ -67,6 +71,7 @@ from mpfa.reference import batch_attention, batch_prefill_kernel_attention, gath
 from mpfa.reference.attention import attention
 from mpfa.recipes import RECIPES as RECIPE_TABLE
 from mpfa.recipes.int8 import tile_scaled_k
+from mpfa.recipes.u4h import hadamard
 from mpfa_jit.ops import prefill as prefill_op
 
 pytestmark = [pytest.mark.gpu]
@@ -100,7 +105,7 @@ def _references(q, qo, layer, indptr, indices, last, lengths, *, recipe, causal,
     """Per request: (exact fp64 attention on the dequantized cache, recipe_attention with the kernel build's
     numerics (``knobs``: None the served build; mpfa_jit/ops/prefill.py numerics), each as (o, lse)); and the
     model of the build's arithmetic over the whole batch (mpfa.reference.KernelModel)."""
-    kd, vd = layer.dequantize(dtype=torch.float64)
+    kd, vd = layer.dequantize(dtype=torch.float64, path="prefill")
     kw = mpfa.prefill.reference_numerics(recipe, knobs, layer)
     o, lse = batch_attention(q, qo, kd, vd, indptr, indices, last, causal=causal, sm_scale=sm_scale, recipe=recipe,
                              compensation=compensation, **kw)
@@ -130,6 +135,8 @@ def direct_bound(recipe, model, rows) -> float:
     fam = "bf16" if recipe == "bf16" else "fp8"
     o = model.o[rows]
     err_out = _rel_l2(o.to(torch.bfloat16), o)
+    if model.o_rot is not None:   # qk4pv4: O_rot rounded to bf16 before the rotation back, then O
+        err_out = math.hypot(err_out, _rel_l2(model.o_rot[rows].to(torch.bfloat16), model.o_rot[rows]))
     rest = 2.0 ** -9 * _ratio(model.o_abs_rest[rows], o) if fam == "bf16" else 0.0
     return 2 * math.sqrt(err_out ** 2 + (U_ACC[fam] * _ratio(model.o_abs[rows], o)) ** 2 + rest ** 2 + FLOOR ** 2)
 
@@ -140,7 +147,8 @@ def row_bound(recipe, model, rows) -> torch.Tensor:
     acc = U_ACC["bf16" if recipe == "bf16" else "fp8"] * model.o_abs[rows].norm(dim=-1) / o_norm
     flip = (2.0 ** -7 * model.o_abs_rest[rows].norm(dim=-1) if recipe == "bf16"
             else 2.0 ** -3 * model.flip_max[rows]) / o_norm
-    return BF16_U + 2 * (acc + flip) + FLOOR
+    rounding = 2 * BF16_U if model.o_rot is not None else BF16_U   # qk4pv4: O_rot and O each rounded to bf16
+    return rounding + 2 * (acc + flip) + FLOOR
 
 
 def lse_bound(recipe, model, rows, q, kv_len, k_norm_max, sm_scale) -> torch.Tensor:
@@ -166,6 +174,9 @@ def _check(o, lse, qo, refs, recipe, q, label, sm_scale=None):
         (o_x, _), (o_r, lse_r) = exact[b], quant[b]
         err, err_ref = _rel_l2(o[rows], o_x), _rel_l2(o_r, o_x)
         err_out = _rel_l2(o_x.to(torch.bfloat16), o_x)   # rounding the exact answer to the output format
+        if model.o_rot is not None:   # qk4pv4: and rounding it in the rotated space first (the kernel's O_rot)
+            x_rot = o_x @ hadamard(o_x.shape[-1], device=o_x.device)
+            err_out += _rel_l2(x_rot.to(torch.bfloat16), x_rot)
         assert err <= 1.5 * err_ref + 1.5 * err_out, \
             f"{label} request {b}: rel-L2 {err:.2e} vs reference's {err_ref:.2e} (+ bf16 output rounding {err_out:.2e})"
         direct, bound = _rel_l2(o[rows], model.o[rows]), direct_bound(recipe, model, rows)
@@ -206,7 +217,7 @@ def _check(o, lse, qo, refs, recipe, q, label, sm_scale=None):
 def _refs(q, qo, layer, indptr, indices, last, lengths, **kw):
     """:func:`_references` plus what the LSE bound needs: each request's largest key norm and its KV length."""
     exact, quant, model = _references(q, qo, layer, indptr, indices, last, lengths, **kw)
-    kd, _ = layer.dequantize(dtype=torch.float64)
+    kd, _ = layer.dequantize(dtype=torch.float64, path="prefill")
     k_norms = [gather_pages(kd, indices[int(indptr[b]):int(indptr[b + 1])], n).norm(dim=-1).max().item() if n else 0.0
                for b, n in enumerate(lengths)]
     return exact, quant, model, k_norms, lengths
@@ -292,7 +303,7 @@ def exact_on_kernel_k(q, qo, layer, indptr, indices, lengths, recipe, causal=Tru
     """Per request, exact fp64 attention (o) on the K the served build multiplies: tile_scale builds requantize each
     128-key tile to its largest token scale (mpfa.recipes.int8.tile_scaled_k), the others the cache's K."""
     k_tile = prefill_op.numerics(recipe, prefill_op.build_knobs(recipe)).get("k_tile")
-    kd, vd = layer.dequantize(dtype=torch.float64)
+    kd, vd = layer.dequantize(dtype=torch.float64, path="prefill")
     out = []
     for b, n in enumerate(lengths):
         rows, ids = slice(int(qo[b]), int(qo[b + 1])), indices[int(indptr[b]):int(indptr[b + 1])]
@@ -311,7 +322,7 @@ def request_errors(o, qo, exact) -> float:
     return math.sqrt(num / sum(x.norm() ** 2 for x in exact))
 
 
-@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8"])
+@pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8", "qk4pv4"])
 def test_compensation_helps_on_q_with_a_large_mean(recipe, paged_batch, large_mean_q, nan_blocks, shared_jit_cache):
     """Q with a large common mean in a few channels and a small spread: with Q smoothing and compensation the
     INT8 Q grid resolves the spread, without it the mean sets the step; the output error against exact must

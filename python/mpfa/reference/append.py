@@ -3,7 +3,9 @@
 Non-finite input, as the kernel (templates/include/mpfa/append/quantize_row.cuh) stores it: a K row
 (token, head; after - mu_K) holding NaN or +-inf gets a NaN ``k_scale``, so the key reads back as NaN;
 its integer K bytes and block scales are unspecified. An FP8 V element
-that is NaN or infinite is stored as E4M3 NaN (0x7F or 0xFF); finite values saturate at +-448. bf16
+that is NaN or infinite is stored as E4M3 NaN (0x7F or 0xFF); finite values saturate at +-448. qk4pv4's
+4-bit V (mpfa.recipes.u4h) stores a NaN scale and zero point (any payload) and codes 0 in every group of a row
+holding a NaN or inf (the rotation mixes all channels), and in a group whose fp16 parameters overflow. bf16
 fields keep the values as given.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from ..recipes.fp8 import quantize_e4m3_fixed_scale
 from ..recipes.int8 import quantize_i4rs, quantize_k_per_token
+from ..recipes.u4h import quantize_u4h
 
 
 def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> dict[str, torch.Tensor]:
@@ -19,7 +22,11 @@ def quantize_rows(recipe, k: torch.Tensor, v: torch.Tensor, mu_k, v_scale) -> di
     if recipe.name == "bf16":
         return {"k": k.to(torch.bfloat16), "v": v.to(torch.bfloat16)}
     ks = k.float() - mu_k
-    out = {"v": quantize_e4m3_fixed_scale(v.float(), v_scale).view(torch.uint8)}
+    if recipe.v_format == "u4h":
+        codes, v_param = quantize_u4h(v)
+        out = {"v": codes, "v_param": v_param}
+    else:
+        out = {"v": quantize_e4m3_fixed_scale(v.float(), v_scale).view(torch.uint8)}
     if recipe.k_format == "int8":
         q, scale = quantize_k_per_token(ks)
         out.update(k=q, k_scale=scale)

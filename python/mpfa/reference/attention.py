@@ -33,6 +33,16 @@ in the kernels' online softmax. Past that, the rule depends on the recipe, as in
     head) and, with compensation, every row of the request for that head (mu_Q is their mean);
   * a non-finite element of a key: output and LSE of every (row, head) that sees that key;
   * a non-finite element of a value: that channel of the output of every (row, head) that sees it.
+
+  qk4pv4 stores V rotated (4-bit codes of V H, mpfa.recipes.u4h): a NaN or inf anywhere in an appended V row
+  makes every group of the stored row NaN, so its dequantized V (KVCacheLayer.dequantize) is NaN in every
+  channel, and the rule above makes every channel of each output that sees it NaN, as the kernels' output is
+  once rotated back (O = O_rot H mixes all channels).
+
+qk4pv4's V: the references take V dequantized and rotated back (``KVCacheLayer.dequantize``; prefill numerics:
+``path="prefill"``, the FP8 image of the rotated values under ``v_scale``; decode: the fp16 values). Attention is
+linear in V, so attention on ``V_rot H`` is the kernels' ``softmax(S) V_rot`` rotated back by the wrappers,
+whatever P's rounding.
 """
 from __future__ import annotations
 
@@ -196,7 +206,8 @@ def recipe_attention(q, k, v, *, recipe: "str | Recipe", causal: bool, sm_scale:
     (mpfa.recipes.fp8.P_SCALE; prefill builds with tile_scale, qk4pv8's served one, take P_SCALE_POW2).
     ``comp_digits`` (comp_mma builds, with compensation): one Q scale per head, mpfa.recipes.int8.comp_digits_q_scale;
     the keys' terms are added in ``dtype`` (the kernel rounds them to whole units of the QK product). The bf16
-    recipe rounds P to bf16 before the PV product, as its kernel does. Non-finite inputs: module docstring.
+    recipe rounds P to bf16 before the PV product, as its kernel does. qk4pv4: ``v`` is the prefill path's V
+    rotated back (module docstring), so the output is the rotated-back one. Non-finite inputs: module docstring.
     """
     recipe = get_recipe(recipe)
     heads, d = q.shape[1], q.shape[2]

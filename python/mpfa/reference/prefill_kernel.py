@@ -25,6 +25,12 @@ would otherwise hide:
   rounds to it: 2^-8 .. 2^-5 in log2 units at the tests' scales), which left the outputs alone but moved whole
   tiles' LSE by 1-6 x ln2 / 64 on the H200.)
 
+qk4pv4 (V stored as 4-bit codes of V H, mpfa.recipes.u4h): the kernel multiplies the pre-pass's FP8 image of the
+rotated values (``u4h.prefill_image``) exactly as it multiplies the e4m3 recipes' V, and writes O_rot = P V_rot; the
+wrapper rotates it back, O = bf16(O_rot) H (one bf16 GEMM with fp32 accumulation, mpfa.recipes.u4h.rotate_back).
+The model computes ``o_rot`` as above and ``o = o_rot H`` in float64; the scales of the PV error (o_abs, o_abs_rest,
+flip_max) stay in the rotated space where the kernel accumulates (H is orthonormal: norms carry over).
+
 What it does not reproduce, and so what a comparison with the kernel must allow for (the test's bound):
 exp2 is exact here (the kernel's ex2.approx.ftz is within 2 ulp, 2^-22 relative, so a P byte flips only
 where P lies that close to an E4M3 rounding point); P V and l accumulate in float64 (the kernel: the FP8
@@ -42,6 +48,7 @@ import torch
 from ..recipes import get_recipe
 from ..recipes.fp8 import E4M3_DTYPE, E4M3_MAX, P_SCALE, as_e4m3, fdiv, row_scale
 from ..recipes.int8 import INT8_MAX, Q_TILE, comp_digits_q_scale, requantize_k_tile
+from ..recipes.u4h import hadamard, prefill_values
 from .attention import gather_pages, request_kv_lengths
 
 KV_TILE = 128        # keys per tile of the main loop (mpfa_jit/ops/prefill.py KV_TILE)
@@ -64,6 +71,8 @@ class KernelModel:
       equal exp2 arguments of sum_j w_j ||v_j|| (keys with equal arguments have equal P in the kernel too, so their
       bytes round the other way together), keys whose P is exactly p_scale (exp2 of log2 p_scale: each tile that
       raises the running maximum, the row's largest key among them) left out: they never move;
+    * ``o_rot`` ``[n, H, D]``: qk4pv4 only (None otherwise): the kernel's output before the wrapper's rotation,
+      ``o = o_rot H`` (float64); ``o_abs``, ``o_abs_rest`` are then in this rotated space;
     * ``twins`` ``[n, H]``: how many rows of the request (this one included) have, in this head, the same exp2
       argument for every key as this row (the same scores up to a constant and the same visible keys: a request
       whose Q rows are equal, as INT8 bytes). The kernel computes their P bit for bit alike, so a P byte that
@@ -75,6 +84,7 @@ class KernelModel:
     o_abs_rest: torch.Tensor
     flip_max: torch.Tensor
     twins: torch.Tensor
+    o_rot: torch.Tensor | None = None
 
     def flip_event(self, rows) -> float:
         """The norm, over ``rows`` (one request's), of the largest change one P rounding event can make:
@@ -247,7 +257,8 @@ def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float |
     """One request as the prefill kernel computes it (module docstring), in float64 where the kernel is exact or
     accumulates. ``q [n, H, D]`` bf16. Quantized recipes: ``k`` = (INT8 rows ``[m, H_kv, D]`` (qk4pv8: the i4rs
     row's INT8 image), per-token scales ``[m, H_kv]`` float32) as mpfa.KVCacheLayer.k_operand gives them, ``v``
-    ``[m, H_kv, D]`` the dequantized FP8 V (exact in float64); bf16: ``k``, ``v`` the bf16 rows. ``q_tile``,
+    ``[m, H_kv, D]`` the dequantized FP8 V (exact in float64; qk4pv4: the FP8 image of the rotated V times v_scale,
+    mpfa.recipes.u4h.prefill_values, and the output is rotated back); bf16: ``k``, ``v`` the bf16 rows. ``q_tile``,
     ``p_scale``, ``comp_digits``, ``k_tile``: the build's numerics (mpfa_jit/ops/prefill.py numerics);
     ``kv_tile``: keys per main-loop tile (the kernel's 128; a tile of all keys gives the final-maximum P of
     recipe_attention); ``mu``: the smoothing vector ``[H, D]`` to use instead of the kernel's mean (a study of
@@ -333,10 +344,13 @@ def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float |
         flip_max, twins = _flip_groups(arg, torch.where(arg == log2_p, torch.zeros_like(w_rest), w_rest) * v_norm)
     else:
         flip_max, twins = torch.zeros_like(lse), torch.ones_like(lse)
-    return KernelModel(o=torch.einsum("hqk,khd->qhd", w, vh), lse=lse,
-                       o_abs=torch.einsum("hqk,khd->qhd", w, vh.abs()),
+    o = torch.einsum("hqk,khd->qhd", w, vh)
+    o_rot = None
+    if recipe.v_format == "u4h":   # the kernel's output is O_rot; the wrapper rotates it back
+        o_rot, o = o, o @ hadamard(d, device=o.device)
+    return KernelModel(o=o, lse=lse, o_abs=torch.einsum("hqk,khd->qhd", w, vh.abs()),
                        o_abs_rest=torch.einsum("hqk,khd->qhd", w_rest, vh.abs()),
-                       flip_max=flip_max, twins=twins)
+                       flip_max=flip_max, twins=twins, o_rot=o_rot)
 
 
 def _flip_groups(arg: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,13 +377,15 @@ def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_k
     arguments being the build's numerics (mpfa_jit/ops/prefill.py numerics). Returns one :class:`KernelModel` of
     all rows (zeros and LSE -inf for requests without rows)."""
     recipe = layer.recipe
+    rotated = recipe.v_format == "u4h"
     lengths = request_kv_lengths(paged_kv_indptr, paged_kv_last_page_len, layer.page_size)
     qo, kv = qo_indptr.tolist(), paged_kv_indptr.tolist()
     rows_d = torch.zeros((q.shape[0], q.shape[1], layer.head_dim), dtype=_F64, device=q.device)
     out = KernelModel(o=rows_d, lse=torch.full(q.shape[:2], -math.inf, dtype=_F64, device=q.device),
                       o_abs=rows_d.clone(), o_abs_rest=rows_d.clone(),
                       flip_max=torch.zeros(q.shape[:2], dtype=_F64, device=q.device),
-                      twins=torch.ones(q.shape[:2], dtype=_F64, device=q.device))
+                      twins=torch.ones(q.shape[:2], dtype=_F64, device=q.device),
+                      o_rot=rows_d.clone() if rotated else None)
     for b, m in enumerate(lengths):
         rows = slice(qo[b], qo[b + 1])
         if rows.stop == rows.start:
@@ -379,13 +395,16 @@ def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_k
         if recipe.quantized_q:
             k = tuple(gather_pages(x, local, m) for x in layer.k_operand(pages=ids))
             v8 = gather_pages(layer.fields["v"][ids], local, m)
-            v = as_e4m3(v8).to(_F64) * layer.v_scale.to(_F64).unsqueeze(0)
+            if rotated:   # the pre-pass's FP8 image of the rotated V, times v_scale
+                v = prefill_values(v8, gather_pages(layer.fields["v_param"][ids], local, m), layer.v_scale)
+            else:
+                v = as_e4m3(v8).to(_F64) * layer.v_scale.to(_F64).unsqueeze(0)
         else:
             k = gather_pages(layer.fields["k"][ids], local, m)
             v = gather_pages(layer.fields["v"][ids], local, m)
         one = prefill_kernel_attention(q[rows], k, v, recipe=recipe, causal=causal, sm_scale=sm_scale,
                                        compensation=compensation, q_tile=q_tile, p_scale=p_scale,
                                        comp_digits=comp_digits, k_tile=k_tile, kv_tile=kv_tile)
-        for name in ("o", "lse", "o_abs", "o_abs_rest", "flip_max", "twins"):
+        for name in ("o", "lse", "o_abs", "o_abs_rest", "flip_max", "twins") + (("o_rot",) if rotated else ()):
             getattr(out, name)[rows] = getattr(one, name)
     return out

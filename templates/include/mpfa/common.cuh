@@ -44,6 +44,13 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return r;
 }
 
+// min(a, b), NaN when either is NaN (min.NaN.f32): kV4's group minimum, NaN exactly when the group holds one.
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // 2^x in one MUFU.EX2, flushing denormal results to 0 (exp2f adds range fix-ups around it). Softmax
 // probabilities below 2^-126 are 0 in the fp16 / FP8 P the kernels multiply anyway, and far below half
 // an ulp of a row sum that holds a 1.

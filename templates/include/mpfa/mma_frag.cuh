@@ -5,7 +5,8 @@
 // Exactness: INT8 K (|x| <= 127), i4rs K's products b * q (|.| <= 126) and E4M3 V are exactly
 // representable in fp16, and every conversion below produces them with no rounding, so quantized K and
 // V run fp16 MMAs on the cache's exact values; bf16 Q is converted to fp16 (exact in fp16's normal
-// range; the kernel pre-scales Q by a power of two when its amax is large).
+// range; the kernel pre-scales Q by a power of two when its amax is large). qk4pv4's V is defined by its
+// fp16 dequantization, q * scale + zero rounded once (u4x2_rows_to_f16x2).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -168,6 +169,21 @@ __device__ __forceinline__ void s4x8_to_f16x2_scaled(uint32_t w, uint32_t scale,
 // Local element (of 8 per word) in the low / high half of output word k above.
 __host__ __device__ constexpr int s4x8_pair_lo(int k) { return k; }
 __host__ __device__ constexpr int s4x8_pair_hi(int k) { return k + 4; }
+
+// qk4pv4's V: the code byte of two rows (row 0's in bits 0..7 of the low half, row 1's in bits 0..7 of the high
+// half; bits 8..15 ignored) -> f16x2 of q * scale + zero for channel 2i (low nibble: even) and 2i + 1 (high
+// nibble: odd), rounded once, as the reference (recipes/u4h.py decode_values). scale, zero: f16x2 of the two
+// rows'. q is made exact first: the low nibble under 0x64 is the fp16 1024 + q (ulp 1 on [1024, 2048)), the high
+// nibble at bits 4..7 under 0x54 is 64 + q (ulp 1/16 on [64, 128)), and subtracting 1024 / 64 is exact; then
+// one HFMA2 rounds the exact q * scale + zero. (Folding the subtraction into the zero point, (1024 + q) scale +
+// (zero - 1024 scale), would round twice.) Per 4 values: 2 LOP3, 2 HADD2, 2 HFMA2.
+__device__ __forceinline__ void u4x2_rows_to_f16x2(uint32_t two_rows, uint32_t scale, uint32_t zero,
+                                                   uint32_t& even, uint32_t& odd) {
+  constexpr uint32_t kExpLow = 0x64006400u;    // fp16 1024 in both halves
+  constexpr uint32_t kExpHigh = 0x54005400u;   // fp16 64
+  even = hfma2_u32(hsub2_u32(lop3_and_xor<0x000F000Fu>(two_rows, kExpLow), kExpLow), scale, zero);
+  odd = hfma2_u32(hsub2_u32(lop3_and_xor<0x00F000F0u>(two_rows, kExpHigh), kExpHigh), scale, zero);
+}
 
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);

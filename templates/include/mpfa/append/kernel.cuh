@@ -27,6 +27,13 @@ __device__ __forceinline__ void count_bad_slots(const AppendParams& p) {
   if (bad != 0) atomicAdd(p.bad_slots, bad);
 }
 
+// The (page, head, slot) row of a slot in each field (meaningless for a slot outside [0, num_slots): not written).
+template <int PageSize>
+__device__ __forceinline__ int64_t cache_row(int64_t slot, int num_kv_heads, int h) {
+  const int64_t page = slot / PageSize, off = slot % PageSize;
+  return (page * num_kv_heads + h) * PageSize + off;
+}
+
 // L: the build's cache row (mpfa::CacheLayout, rendered from the recipe's Field table).
 template <class L, int PageSize>
 __global__ void __launch_bounds__(kThreads, (Schedule<L::kRecipe, L::kHeadDim>::kMinBlocksPerSm))
@@ -43,7 +50,7 @@ append_kv_kernel(const AppendParams p) {
   // Offsets (elements) of this thread's 8 channels of its head in a token's K and V rows. Pinned here by an
   // empty asm: otherwise the compiler sinks h * stride into the loop's load branch and recomputes it for
   // every row.
-  int64_t k_off = h * p.k_stride_head + me.c0, v_off = h * p.v_stride_head + me.c0;
+  int64_t k_off = h * p.k_stride_head + me.c0, v_off = h * p.v_stride_head + me.v_c0;
   asm volatile("" : "+l"(k_off), "+l"(v_off));
 
   // Every thread of a row group runs the same number of iterations: the shuffles stay converged.
@@ -52,23 +59,34 @@ append_kv_kernel(const AppendParams p) {
        t += int64_t(gridDim.x) * S::kRowsPerBlock) {
     const bool token = t < p.num_tokens;
     const int64_t slot = token ? p.slots[t] : -1;
+    // kV4: the V row is another row of this iteration's block (Lane::v_row), with its own slot; t itself otherwise.
+    const int64_t tv = t - me.row + me.v_row;
+    const bool v_token = tv < p.num_tokens;
+    const int64_t v_slot = L::kV4 ? (v_token ? p.slots[tv] : -1) : slot;
     // K and V are read whatever the slot (a padding token's rows are valid input, written nowhere): loads that
     // waited for the slot would put a second memory round trip in every iteration.
     uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
     if (token) {
       kr = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.k) + (t * p.k_stride_token + k_off));
-      vr = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.v) + (t * p.v_stride_token + v_off));
+      if constexpr (!L::kV4)
+        vr = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.v) + (t * p.v_stride_token + v_off));
+    }
+    if constexpr (L::kV4) {
+      if (v_token)
+        vr = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.v) + (tv * p.v_stride_token + v_off));
     }
     const bool write = uint64_t(slot) < uint64_t(p.num_slots);   // uniform across the row group
-    const int64_t page = slot / PageSize, off = slot % PageSize;
-    const int64_t row = (page * p.num_kv_heads + h) * PageSize + off;   // this (token, head) row of each field
+    const int64_t row = cache_row<PageSize>(slot, p.num_kv_heads, h);   // this (token, head) row of each field
     if constexpr (!L::kQuantK) {
       if (write) store_bf16<L::k_bytes>(p.k_data, row, me.c0, kr);
     }
+    // V is stored before K is quantized, so V's registers are free again for K's quantizer.
     if constexpr (!L::kQuantV) {
       if (write) store_bf16<L::v_bytes>(p.v_data, row, me.c0, vr);
+    } else if constexpr (L::kV4) {
+      store_v_u4h<S, L>(p, uint64_t(v_slot) < uint64_t(p.num_slots), cache_row<PageSize>(v_slot, p.num_kv_heads, h),
+                        me, vr);
     } else {
-      // Written before K is quantized, so V's registers are free again for K's quantizer.
       if (write) store_v_e4m3<L>(p.v_data, row, me.c0, vr, cc.inv_vs);
     }
     if constexpr (L::kQuantK) {

@@ -23,9 +23,10 @@
   X(void*, k8_data)               /* field "k8": qk4pv8's INT8 half of K */                                \
   X(void*, k_block_scale)         /* field "k_block_scale": qk4pv8 */                                      \
   X(void*, k_scale)               /* field "k_scale": float per (token, head), quantized K */              \
-  X(void*, v_data)                /* field "v": bf16 | E4M3 */                                             \
+  X(void*, v_data)                /* field "v": bf16 | E4M3 | qk4pv4's 4-bit codes */                      \
+  X(void*, v_param)               /* field "v_param": qk4pv4's fp16 scale and zero point per 32 channels */ \
   X(const float*, mu_k)           /* quantized K: [Hkv, D] K smoothing mean */                             \
-  X(const float*, v_scale)        /* quantized V: [Hkv, D] fixed channel scales */                         \
+  X(const float*, v_scale)        /* E4M3 V: [Hkv, D] fixed channel scales */                              \
   X(int, num_kv_heads)
 
 struct AppendParams {

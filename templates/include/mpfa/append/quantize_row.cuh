@@ -5,9 +5,12 @@
 // Non-finite input (the reference defines the same): a K row (after - mu_K) holding a NaN or an infinity
 // gets a NaN k_scale, so every value of that key dequantizes to NaN; its integer K bytes and block scales
 // are unspecified. A V element that is NaN or infinite is stored as E4M3 NaN;
-// finite values saturate at +-448. bf16 fields store the values as given.
+// finite values saturate at +-448. qk4pv4's V (recipes/u4h.py): a group of 32 rotated channels that is not
+// all finite (a NaN or inf anywhere in the row reaches every group) or whose fp16 zero point or scale
+// overflows stores NaN for both and codes 0. bf16 fields store the values as given.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
 #include "mpfa/append/params.cuh"
 #include "mpfa/append/schedule.cuh"
@@ -22,13 +25,14 @@ __device__ __forceinline__ T* field_at(void* base, int64_t row, int row_bytes, i
   return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + row * row_bytes + offset);
 }
 
-// The thread's fixed per-channel constants of its head: mu_K (quantized K) and 1 / v_scale (quantized V).
-// Split K keeps mu_K in shared memory (the block's one head, read back per row) instead of 8 registers:
-// its block-scale search needs them under the 64-register cap of 4 blocks per SM.
+// The thread's fixed per-channel constants of its head: mu_K (quantized K) and 1 / v_scale (E4M3 V; kV4's
+// append has no fixed V scale). Split K keeps mu_K in shared memory (the block's one head, read back per row)
+// instead of 8 registers: its block-scale search needs them under the 64-register cap of 4 blocks per SM.
 template <class L>
 struct ChannelConstants {
   static constexpr bool kMuShared = L::kSplitK;
-  float mu_r[kMuShared ? 1 : 8], inv_vs[8];
+  static constexpr bool kScaledV = L::kQuantV && !L::kV4;
+  float mu_r[kMuShared ? 1 : 8], inv_vs[kScaledV ? 8 : 1];
   const float* mu_s;   // kMuShared: this thread's 8 channels of the block's copy
 
   // Every thread of the block calls it (kMuShared: a block barrier); mu_smem: kHeadDim floats.
@@ -43,7 +47,7 @@ struct ChannelConstants {
         load8(mu_k + h * L::kHeadDim + c0, mu_r);
       }
     }
-    if constexpr (L::kQuantV) {
+    if constexpr (kScaledV) {
       load8(v_scale + h * L::kHeadDim + c0, inv_vs);
 #pragma unroll
       for (int i = 0; i < 8; ++i) inv_vs[i] = __frcp_rn(inv_vs[i]);   // x * (1/scale): the reference's order
@@ -84,6 +88,93 @@ __device__ __forceinline__ void store_v_e4m3(void* v_data, int64_t row, int c0, 
     o16[i] = to_e4m3x2(vf.x * inv_vs[2 * i], vf.y * inv_vs[2 * i + 1]);
   }
   *field_at<uint2>(v_data, row, L::v_bytes, c0) = out;
+}
+
+// kV4's V (qk4pv4, recipes/u4h.py quantize_u4h): the row rotated by the orthonormal Hadamard matrix, r = V H,
+// then 4-bit codes with an fp16 scale and zero point per 32 channels. The thread holds 8 channels of a row whose
+// kThreadsPerRow lanes are one aligned group of its warp (Lane::v_row, schedule.cuh); every operation is the
+// reference's, in its order, so the bytes match.
+template <class S, class L>
+__device__ __forceinline__ void store_v_u4h(const AppendParams& p, bool write, int64_t row, const Lane& me,
+                                            uint4 vr) {
+  constexpr int D = L::kHeadDim;
+  static_assert(D == 64 || D == 128, "the rotation's scale 1 / sqrt(D) is written for head_dim 64 and 128");
+  constexpr float kRsqrtD = D == 64 ? 0.125f : 0x1.6a09e6p-4f;   // float32(1 / sqrt(D))
+  constexpr int kGroupLanes = L::kV4Group / 8;                   // lanes of a 32-channel group
+  const __nv_bfloat162* vp = reinterpret_cast<const __nv_bfloat162*>(&vr);
+  float x[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(vp[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+  // The butterfly, h = 1, 2, 4 inside the thread's 8 channels, then h = 8, 16, ... across lanes (partner lane ^
+  // h / 8): the lower channel i takes x[i] + x[i+h], the upper x[i] - x[i+h], i.e. partner - own as
+  // fma(own, -1, partner): one rounding, as the reference's subtraction.
+#pragma unroll
+  for (int h = 1; h < 8; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = __fadd_rn(a, b);
+        x[i + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+  // The lane's bits give each stage's sign (the row's lanes are an aligned group: lane in row = lane % group
+  // size). Opaque, so that the signs are rebuilt per row rather than hoisted out of the loop into 4 registers
+  // that spill under the 64-register cap.
+  uint32_t lane_bits = threadIdx.x;
+  asm volatile("" : "+r"(lane_bits));
+#pragma unroll
+  for (int m = 1, bit = 0; m < S::kThreadsPerRow; m <<= 1, ++bit) {
+    const float sign = __uint_as_float(0x3F800000u | (lane_bits & m) << (31 - bit));   // -1 on the upper lane
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __fmaf_rn(x[i], sign, __shfl_xor_sync(0xffffffffu, x[i], m));
+  }
+  const int lane_in_row = me.v_c0 / 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(x[i], kRsqrtD);
+  float lo = x[0], hi = x[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) {
+    lo = min_nan(lo, x[i]);
+    hi = max_nan(hi, x[i]);
+  }
+#pragma unroll
+  for (int m = 1; m < kGroupLanes; m <<= 1) {
+    lo = min_nan(lo, __shfl_xor_sync(0xffffffffu, lo, m));
+    hi = max_nan(hi, __shfl_xor_sync(0xffffffffu, hi, m));
+  }
+  // A NaN or an infinity in the group makes lo or hi non-finite (NaN-propagating min / max), and so the fp16
+  // zero point (lo) or the scale (hi - zero): testing those two finds every faulty group.
+  __half zero = __float2half_rn(lo);
+  const float zero_f = __half2float(zero);
+  const float d = __fsub_rn(hi, zero_f);
+  __half scale = __float2half_rn(__fdiv_rn(d, 15.f));
+  if (d <= 0.f || __half_as_ushort(scale) == 0) scale = __ushort_as_half(0x3C00);   // 1.0: an all-equal group
+  const auto finite = [](__half v) { return (__half_as_ushort(v) & 0x7C00) != 0x7C00; };
+  if (!finite(zero) || !finite(scale)) {
+    zero = __ushort_as_half(0x7E00);
+    scale = zero;
+  }
+  // A faulty group's inv is NaN, and fmaxf(NaN, 0) = 0 gives its codes 0. Clamping before rounding gives
+  // clamp(rni(y), 0, 15) (rni is monotonic and 0, 15 are integers) and keeps y in the range of the FADD rounding.
+  const float inv = __frcp_rn(__half2float(scale));
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float y = fminf(fmaxf(__fmul_rn(__fsub_rn(x[i], zero_f), inv), 0.f), 15.f);
+    packed |= (__float_as_uint(__fadd_rn(y, kRoundMagic)) & 0xFu) << (4 * i);   // channel 2i low nibble of byte i
+  }
+  if (write) {
+    *field_at<uint32_t>(p.v_data, row, L::v_bytes, me.v_c0 / 2) = packed;
+    if (lane_in_row % kGroupLanes == 0)
+      *field_at<uint32_t>(p.v_param, row, L::v_param_bytes, 4 * (me.v_c0 / L::kV4Group)) =
+          uint32_t(__half_as_ushort(scale)) | uint32_t(__half_as_ushort(zero)) << 16;
+  }
 }
 
 // K smoothing: keys are stored as K - mu_K, fixed per (layer, KV head). Returns the 8 channels' max |.|,

@@ -8,6 +8,11 @@
 // their rows' channels, warps 4-7 the INT8 half, so no warp runs both quantizers one after the other
 // (a warp holding both kinds of chunk would). The row's amax meets its partner warp's through shared
 // memory. The other recipes keep a row in one aligned group of kThreadsPerRow lanes.
+//
+// qk4pv4's V (kV4) is rotated by a butterfly over the whole row (recipes/u4h.py), so its V rows take another
+// mapping: each pair of warps (w, w + 4), which shares kRowsPerWarp rows of K, holds those rows' V whole, one row
+// in kThreadsPerRow lanes of one warp, and the butterfly runs in registers and shuffles with no shared-memory
+// exchange or barrier (K's mapping would split every V row between the two warps).
 #pragma once
 #include <cuda_runtime.h>
 #include <cstdint>
@@ -25,6 +30,7 @@ struct Schedule {
   static constexpr int kThreadsPerRow = HeadDim / 8;
   static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
   static constexpr bool kSplitHalves = RecipeTraits<R>::kSplitK;
+  static constexpr bool kV4 = RecipeTraits<R>::kV4;
   static constexpr int kGroupLanes = kSplitHalves ? kThreadsPerRow / 2 : kThreadsPerRow;  // a row's lanes in one warp
   static constexpr int kRowsPerWarp = 32 / kGroupLanes;
   // Blocks per SM the registers are capped for (__launch_bounds__): the rate follows the rows in flight per
@@ -35,6 +41,8 @@ struct Schedule {
   static_assert(kRowsPerBlock == (kSplitHalves ? 4 : 8) * kRowsPerWarp, "both mappings cover the same rows");
   static_assert(!kSplitHalves || HeadDim % 64 == 0,
                 "split K needs head_dim a multiple of 64 (whole 4-bit blocks in each quarter of the row)");
+  static_assert(!kV4 || (kSplitHalves && 2 * 32 == kRowsPerWarp * kThreadsPerRow),
+                "kV4's V rows: a warp pair's 64 threads hold its kRowsPerWarp rows whole");
 };
 
 struct Lane {
@@ -42,6 +50,8 @@ struct Lane {
   int group_lane;  // lane within the row's group (0 writes the row's scalars)
   int c0;          // first of the 8 channels this thread owns
   int half;        // split K: 0 the 4-bit half's warps, 1 the INT8 half's; else 0
+  int v_row;       // the row whose V this thread holds: row, but for kV4
+  int v_c0;        // first of its 8 channels of that V row
 };
 
 template <class S>
@@ -61,6 +71,13 @@ __device__ __forceinline__ Lane lane_of(int tid) {
     l.row = tid / S::kThreadsPerRow;
     l.group_lane = tid % S::kThreadsPerRow;
     l.c0 = l.group_lane * 8;
+  }
+  l.v_row = l.row;
+  l.v_c0 = l.c0;
+  if constexpr (S::kV4) {
+    const int pair_thread = l.half * 32 + tid % 32;   // of the warp pair's 64
+    l.v_row = (tid / 32 % 4) * S::kRowsPerWarp + pair_thread / S::kThreadsPerRow;
+    l.v_c0 = 8 * (pair_thread % S::kThreadsPerRow);
   }
   return l;
 }

@@ -1,5 +1,5 @@
 // The end of a decode CTA: the kWarps warps' online-softmax states combined through shared memory (the
-// stage buffers, free once every stage is consumed), O normalized and scaled by V's channel scales, and
+// stage buffers, free once every stage is consumed), O normalized and scaled by E4M3 V's channel scales, and
 // written as the request's output (one split) or as this split's fp32 partial O and log2 LSE for the
 // merge kernel (merge.cuh).
 #pragma once
@@ -58,7 +58,7 @@ __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* sme
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-    if constexpr (T::kQuant) {
+    if constexpr (T::kQuant && !T::kV4) {   // qk4pv4's V has no fixed channel scale
       const float4 vs = *reinterpret_cast<const float4*>(p.v_scale + h * kHeadDim + d0);
       o.x *= vs.x; o.y *= vs.y; o.z *= vs.z; o.w *= vs.w;
     }

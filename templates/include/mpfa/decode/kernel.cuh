@@ -117,10 +117,25 @@ __global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>
         // The last tile: V rows past the length must be exactly zero (P is 0 there, and 0 * NaN from a
         // stale or poisoned byte would be NaN); plain stores make that an invariant of this code rather
         // than of how each copy path fills the tail (benchmarks/NOTES.md, decode v2).
-        const uint32_t vt = mpfa::smem_u32(st) + T::kOffV;   // 32-bit shared address: no 64-bit pointer live
+        if constexpr (T::kV4) {
+          // qk4pv4: a zero scale and zero point make every code of the row 0 (q * 0 + 0); V's rows are swizzled
+          // across rows (traits.cuh), v_param's are not.
+          constexpr int U = Layout::v_param_bytes < 16 ? Layout::v_param_bytes : 16;
+          const uint32_t vpt = mpfa::smem_u32(st) + T::kOffVp;
 #pragma unroll 1
-        for (int o = valid * Layout::v_bytes + tid * 16; o < T::kTile * Layout::v_bytes; o += T::kThreads * 16)
-          asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n" ::"r"(vt + o), "r"(0) : "memory");
+          for (int o = valid * Layout::v_param_bytes + tid * U; o < T::kTile * Layout::v_param_bytes;
+               o += T::kThreads * U) {
+            if constexpr (U == 16)
+              asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n" ::"r"(vpt + o), "r"(0) : "memory");
+            else
+              asm volatile("st.shared.v2.u32 [%0], { %1, %1 };\n" ::"r"(vpt + o), "r"(0) : "memory");
+          }
+        } else {
+          const uint32_t vt = mpfa::smem_u32(st) + T::kOffV;   // 32-bit shared address: no 64-bit pointer live
+#pragma unroll 1
+          for (int o = valid * Layout::v_bytes + tid * 16; o < T::kTile * Layout::v_bytes; o += T::kThreads * 16)
+            asm volatile("st.shared.v4.u32 [%0], { %1, %1, %1, %1 };\n" ::"r"(vt + o), "r"(0) : "memory");
+        }
         __syncthreads();
       }
       const int wrow = 16 * warp;

@@ -7,9 +7,10 @@
 //     themselves (exact: INT8, or INT4 q times its integer block scale b, |b q| <= 126); the token
 //     scale, sm_scale and log2(e) multiply the score rows afterwards (softmax.cuh).
 //   O^T += V^T P^T: B = P^T, the S^T accumulator packed to fp16 (bf16 for the bf16 recipe) and
-//     transposed per 8x8 half with movmatrix; A = V^T (e4m3 -> fp16 exact, or bf16): thread (g, c)
-//     reads token rows 4c..4c+3 and channels [g*D/8, (g+1)*D/8) and pairs bytes of two rows with prmt.
-//     V's per-channel scale multiplies O at the end (epilogue.cuh).
+//     transposed per 8x8 half with movmatrix; A = V^T (e4m3 -> fp16 exact, qk4pv4's 4-bit codes -> fp16
+//     q * scale + zero, or bf16): thread (g, c) reads token rows 4c..4c+3 and channels [g*D/8, (g+1)*D/8)
+//     and pairs bytes of two rows with prmt. E4M3 V's per-channel scale multiplies O at the end
+//     (epilogue.cuh); qk4pv4's output stays in the rotated space (O H: the wrapper rotates it back).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -178,6 +179,37 @@ __device__ __forceinline__ void qk_scores(const uint8_t* st, int wrow, int tA, i
   }
 }
 
+// qk4pv4's O^T += V^T P^T (b0, b1: P^T as pv_accumulate builds it): row r's kVB code bytes (channels
+// [g kDV, (g+1) kDV), two a byte) and its group's [scale, zero]; m-tile mt takes code byte mt of the rows,
+// channels 2mt (rows g of A) and 2mt + 1 (rows g + 8).
+template <class Cfg>
+__device__ __forceinline__ void pv_accumulate_u4h(const uint8_t* st, int wrow, int g, int c, uint32_t b0, uint32_t b1,
+                                                  float (&acc)[DecodeTraits<Cfg>::kMT][4]) {
+  using T = DecodeTraits<Cfg>;
+  using Layout = typename T::Layout;
+  uint32_t vw[4][T::kVWords], prm[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = wrow + 4 * c + r;
+    load_words<T::kVB>(st + T::kOffV + ((row * Layout::v_bytes + g * T::kVB) ^ (T::v_swizzle(row) << 4)), vw[r]);
+    prm[r] = *reinterpret_cast<const uint32_t*>(st + T::kOffVp + row * Layout::v_param_bytes +
+                                                4 * (g * T::kDV / Layout::kV4Group));
+  }
+  // [scale, zero] of rows (0, 1) and (2, 3) as the f16x2 pairs the A fragments hold
+  const uint32_t scale01 = mpfa::prmt(prm[0], prm[1], 0x5410), zero01 = mpfa::prmt(prm[0], prm[1], 0x7632);
+  const uint32_t scale23 = mpfa::prmt(prm[2], prm[3], 0x5410), zero23 = mpfa::prmt(prm[2], prm[3], 0x7632);
+#pragma unroll
+  for (int mt = 0; mt < T::kMT; ++mt) {
+    const int w = mt / 4, b = mt % 4;
+    constexpr uint32_t kByteOfBoth = 0x4400u;   // prmt selector (+ 0x1111 b): bytes (b, b, 4 + b, 4 + b)
+    const uint32_t sel = kByteOfBoth + 0x1111u * uint32_t(b);
+    uint32_t a0, a1, a2, a3;
+    mpfa::u4x2_rows_to_f16x2(mpfa::prmt(vw[0][w], vw[1][w], sel), scale01, zero01, a0, a1);
+    mpfa::u4x2_rows_to_f16x2(mpfa::prmt(vw[2][w], vw[3][w], sel), scale23, zero23, a2, a3);
+    mpfa::mma_f16(acc[mt], a0, a1, a2, a3, b0, b1);
+  }
+}
+
 // O^T += V^T P^T: B = P^T (k = tokens, n = heads) by an 8x8 transpose of each P half; pr as softmax_update
 // leaves it (tokens tA, tA + 2 of heads 2c, 2c + 1). g_half = g / 2.
 template <class Cfg>
@@ -191,41 +223,45 @@ __device__ __forceinline__ void pv_accumulate(const uint8_t* st, int wrow, int g
       mpfa::movmatrix_trans(T::kQuant ? mpfa::pack_f16x2(pr[2], pr[3]) : mpfa::pack_bf16x2(pr[2], pr[3]));
   // b0: tokens tA(2c) = 4c, tA(2c+1) = 4c+1 of head g; b1: tokens 4c+2, 4c+3. A = V^T: thread (g, c)
   // reads rows 4c..4c+3 of its warp's 16, channels [g*kDV, (g+1)*kDV).
-  uint32_t vw[4][T::kVWords];
+  if constexpr (T::kV4) {
+    pv_accumulate_u4h<Cfg>(st, wrow, g, c, b0, b1, acc);
+  } else {
+    uint32_t vw[4][T::kVWords];
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int row = wrow + 4 * c + r;
-    const uint8_t* vrow = st + T::kOffV + row * Layout::v_bytes;
-    if constexpr (T::kVB == 8) {
-      const int chunk = g_half;
-      const uint2 t = *reinterpret_cast<const uint2*>(vrow + ((chunk ^ T::v_swizzle(row)) << 4) + (g & 1) * 8);
-      vw[r][0] = t.x; vw[r][1] = t.y;
-    } else {
+    for (int r = 0; r < 4; ++r) {
+      const int row = wrow + 4 * c + r;
+      const uint8_t* vrow = st + T::kOffV + row * Layout::v_bytes;
+      if constexpr (T::kVB == 8) {
+        const int chunk = g_half;
+        const uint2 t = *reinterpret_cast<const uint2*>(vrow + ((chunk ^ T::v_swizzle(row)) << 4) + (g & 1) * 8);
+        vw[r][0] = t.x; vw[r][1] = t.y;
+      } else {
 #pragma unroll
-      for (int i = 0; i < T::kVB / 16; ++i) {
-        const int chunk = g * (T::kVB / 16) + i;
-        const uint4 t = *reinterpret_cast<const uint4*>(vrow + ((chunk ^ T::v_swizzle(row)) << 4));
-        vw[r][4 * i] = t.x; vw[r][4 * i + 1] = t.y; vw[r][4 * i + 2] = t.z; vw[r][4 * i + 3] = t.w;
+        for (int i = 0; i < T::kVB / 16; ++i) {
+          const int chunk = g * (T::kVB / 16) + i;
+          const uint4 t = *reinterpret_cast<const uint4*>(vrow + ((chunk ^ T::v_swizzle(row)) << 4));
+          vw[r][4 * i] = t.x; vw[r][4 * i + 1] = t.y; vw[r][4 * i + 2] = t.z; vw[r][4 * i + 3] = t.w;
+        }
       }
     }
-  }
-  // m-tile mt: A rows g -> channel g*kDV + 2mt, rows g+8 -> channel g*kDV + 2mt + 1.
-  if constexpr (T::kQuant) {
+    // m-tile mt: A rows g -> channel g*kDV + 2mt, rows g+8 -> channel g*kDV + 2mt + 1.
+    if constexpr (T::kQuant) {
 #pragma unroll
-    for (int w = 0; w < T::kVWords; ++w) {
-      // bytes [row0 j, row1 j] for channels j = 4w .. 4w+3
-      const uint32_t lo01 = mpfa::prmt(vw[0][w], vw[1][w], 0x5140), hi01 = mpfa::prmt(vw[0][w], vw[1][w], 0x7362);
-      const uint32_t lo23 = mpfa::prmt(vw[2][w], vw[3][w], 0x5140), hi23 = mpfa::prmt(vw[2][w], vw[3][w], 0x7362);
-      mpfa::mma_f16(acc[2 * w], mpfa::e4m3x2_to_f16x2(lo01), mpfa::e4m3x2_hi_to_f16x2(lo01),
-                    mpfa::e4m3x2_to_f16x2(lo23), mpfa::e4m3x2_hi_to_f16x2(lo23), b0, b1);
-      mpfa::mma_f16(acc[2 * w + 1], mpfa::e4m3x2_to_f16x2(hi01), mpfa::e4m3x2_hi_to_f16x2(hi01),
-                    mpfa::e4m3x2_to_f16x2(hi23), mpfa::e4m3x2_hi_to_f16x2(hi23), b0, b1);
+      for (int w = 0; w < T::kVWords; ++w) {
+        // bytes [row0 j, row1 j] for channels j = 4w .. 4w+3
+        const uint32_t lo01 = mpfa::prmt(vw[0][w], vw[1][w], 0x5140), hi01 = mpfa::prmt(vw[0][w], vw[1][w], 0x7362);
+        const uint32_t lo23 = mpfa::prmt(vw[2][w], vw[3][w], 0x5140), hi23 = mpfa::prmt(vw[2][w], vw[3][w], 0x7362);
+        mpfa::mma_f16(acc[2 * w], mpfa::e4m3x2_to_f16x2(lo01), mpfa::e4m3x2_hi_to_f16x2(lo01),
+                      mpfa::e4m3x2_to_f16x2(lo23), mpfa::e4m3x2_hi_to_f16x2(lo23), b0, b1);
+        mpfa::mma_f16(acc[2 * w + 1], mpfa::e4m3x2_to_f16x2(hi01), mpfa::e4m3x2_hi_to_f16x2(hi01),
+                      mpfa::e4m3x2_to_f16x2(hi23), mpfa::e4m3x2_hi_to_f16x2(hi23), b0, b1);
+      }
+    } else {
+#pragma unroll
+      for (int w = 0; w < T::kVWords; ++w)
+        mpfa::mma_bf16(acc[w], mpfa::prmt(vw[0][w], vw[1][w], 0x5410), mpfa::prmt(vw[0][w], vw[1][w], 0x7632),
+                       mpfa::prmt(vw[2][w], vw[3][w], 0x5410), mpfa::prmt(vw[2][w], vw[3][w], 0x7632), b0, b1);
     }
-  } else {
-#pragma unroll
-    for (int w = 0; w < T::kVWords; ++w)
-      mpfa::mma_bf16(acc[w], mpfa::prmt(vw[0][w], vw[1][w], 0x5410), mpfa::prmt(vw[0][w], vw[1][w], 0x7632),
-                     mpfa::prmt(vw[2][w], vw[3][w], 0x5410), mpfa::prmt(vw[2][w], vw[3][w], 0x7632), b0, b1);
   }
 }
 

@@ -18,7 +18,8 @@
   X(const uint8_t*, k_block_scale) /* qk4pv8: [pages, Hkv, page_size, Layout::k_block_scale_bytes] */   \
   X(const uint8_t*, k_scale)       /* quantized K: float32 [pages, Hkv, page_size] */                   \
   X(const uint8_t*, v)             /* [pages, Hkv, page_size, Layout::v_bytes] */                       \
-  X(const float*, v_scale)         /* quantized V: [Hkv, D] */                                          \
+  X(const float*, v_scale)         /* E4M3 V: [Hkv, D] */                                               \
+  X(const uint8_t*, v_param)       /* qk4pv4: [pages, Hkv, page_size, Layout::v_param_bytes] */         \
   X(const int*, indptr)            /* [batch + 1] */                                                    \
   X(const int*, indices)                                                                                \
   X(const int*, last_page_len)     /* [batch] */                                                        \

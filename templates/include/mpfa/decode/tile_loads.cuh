@@ -32,9 +32,8 @@ __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* bas
       const int within = o % kRun;
       int dst = o;
       if constexpr (R >= 16 && (kSwizzleK || kSwizzleV)) {
-        const int row = o / R, chunk = (o % R) / 16;
-        const int sw = kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row);
-        dst = row * R + ((chunk ^ sw) << 4);
+        const int row = o / R;
+        dst = o ^ ((kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row)) << 4);
       }
       const uint8_t* src = base + within;
       int nbytes = valid_tokens * R - o;
@@ -84,9 +83,8 @@ struct FullTileField {
     if constexpr (!kSwizzled) {
       return o;
     } else {
-      const int row = int(o) / R, chunk = (int(o) % R) / 16;
-      const int sw = kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row);
-      return uint32_t(row * R + ((chunk ^ sw) << 4));
+      const int row = int(o) / R;
+      return o ^ uint32_t((kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row)) << 4);
     }
   }
   __device__ __forceinline__ explicit FullTileField(const uint8_t* base) {
@@ -121,36 +119,40 @@ struct FullTileField {
   }
 };
 
-// The block and token scales of a full tile as one set of 16-byte pieces (block-scale pieces, then
-// token-scale pieces), at most one per thread, spread over the warps like FullTileField's kSpread:
-// one ring read, one IMAD.WIDE and one LDGSTS per thread instead of two of each. Its per-thread
-// constants (source pointer, run length, ring slot, destination) live in shared memory, read back
-// with one LDS.128 per tile: kept in registers, they spill qk4pv8 d128 at the 128-register cap.
+// The block and token scales (and kV4's v_param) of a full tile as one set of 16-byte pieces (block-scale
+// pieces, then token-scale pieces, then v_param pieces), at most one per thread, spread over the warps like
+// FullTileField's kSpread: one ring read, one IMAD.WIDE and one LDGSTS per thread instead of two (three) of
+// each. Its per-thread constants (source pointer, run length, ring slot, destination) live in shared memory,
+// read back with one LDS.128 per tile: kept in registers, they spill qk4pv8 d128 at the 128-register cap.
 template <class Cfg>
 struct FullTileScales {
   using T = DecodeTraits<Cfg>;
   using Layout = typename T::Layout;
   static constexpr int kRunBs = T::kPageSize * Layout::k_block_scale_bytes;
   static constexpr int kRunKs = T::kPageSize * Layout::k_scale_bytes;
+  static constexpr int kRunVp = T::kPageSize * Layout::v_param_bytes;
   static constexpr int kNBs = T::kTile * Layout::k_block_scale_bytes / 16, kNKs = T::kTile * Layout::k_scale_bytes / 16;
-  static_assert(kNBs + kNKs <= T::kThreads, "one piece per thread");
+  static constexpr int kNVp = T::kTile * Layout::v_param_bytes / 16;
+  static_assert(kNBs + kNKs + kNVp <= T::kThreads, "one piece per thread");
   uint4 d;       // {source lo, source hi, run length, ring slot << 16 | stage offset}
   uint32_t ph;
 
   __device__ __forceinline__ static int vthread() { return int(threadIdx.x % 32) * T::kWarps + int(threadIdx.x / 32); }
-  __device__ __forceinline__ static bool active() { return vthread() < kNBs + kNKs; }
+  __device__ __forceinline__ static bool active() { return vthread() < kNBs + kNKs + kNVp; }
   __device__ __forceinline__ static uint4* desc(uint8_t* smem) {
     return reinterpret_cast<uint4*>(smem + T::kOffDesc) + threadIdx.x;
   }
   // Once per CTA, before any copy (each thread reads back only its own descriptor).
   __device__ __forceinline__ static void init(uint8_t* smem, const DecodeParams& p) {
     if constexpr (T::kMergedScales) {
-      const bool is_bs = vthread() < kNBs;
-      const uint32_t o0 = uint32_t(is_bs ? vthread() : vthread() - kNBs) * 16;
-      const uint32_t run = is_bs ? kRunBs : kRunKs;
-      const uint64_t src = reinterpret_cast<uint64_t>((is_bs ? p.k_block_scale : p.k_scale) + o0 % run);
-      *desc(smem) = make_uint4(uint32_t(src), uint32_t(src >> 32), run,
-                               (o0 / run) << 16 | ((is_bs ? T::kOffBs : T::kOffKs) + o0));
+      const int v = vthread();
+      const bool is_bs = v < kNBs, is_ks = !is_bs && (kNVp == 0 || v < kNBs + kNKs);
+      const uint32_t o0 = uint32_t(is_bs ? v : is_ks ? v - kNBs : v - kNBs - kNKs) * 16;
+      const uint32_t run = is_bs ? kRunBs : is_ks ? kRunKs : kRunVp;
+      const uint8_t* base = is_bs ? p.k_block_scale : is_ks ? p.k_scale : p.v_param;
+      const uint32_t stage_off = is_bs ? T::kOffBs : is_ks ? T::kOffKs : T::kOffVp;
+      const uint64_t src = reinterpret_cast<uint64_t>(base + o0 % run);
+      *desc(smem) = make_uint4(uint32_t(src), uint32_t(src >> 32), run, (o0 / run) << 16 | (stage_off + o0));
     }
   }
   __device__ __forceinline__ void read_ids(uint8_t* smem, const uint32_t* ring) {
@@ -168,7 +170,7 @@ struct FullTileScales {
 constexpr int row_or_placeholder(int bytes) { return bytes > 0 ? bytes : 4; }
 
 // Every field's copier, built once per CTA. k8's base is rebuilt per piece (not opaque): registers.
-// bs and ks are used at page size 1 only (FullTileScales otherwise).
+// bs, ks and vp are used at page size 1 only (FullTileScales otherwise).
 template <class Cfg>
 struct FullTileCopier {
   using T = DecodeTraits<Cfg>;
@@ -178,10 +180,11 @@ struct FullTileCopier {
   FullTileField<Cfg, row_or_placeholder(Layout::k_block_scale_bytes), false, false, false, true> bs;
   FullTileField<Cfg, row_or_placeholder(Layout::k_scale_bytes), false, false, false, true> ks;
   FullTileField<Cfg, Layout::v_bytes, false, true, true> v;
+  FullTileField<Cfg, row_or_placeholder(Layout::v_param_bytes), false, false, false, true> vp;
   FullTileScales<Cfg> scales;
   uint8_t* smem;
   __device__ __forceinline__ FullTileCopier(const DecodeParams& p, uint8_t* smem_)
-      : k(p.k), k8(p.k8), bs(p.k_block_scale), ks(p.k_scale), v(p.v), smem(smem_) {
+      : k(p.k), k8(p.k8), bs(p.k_block_scale), ks(p.k_scale), v(p.v), vp(p.v_param), smem(smem_) {
     FullTileScales<Cfg>::init(smem, p);
   }
   __device__ __forceinline__ void copy(uint32_t st, const uint32_t* ring) {
@@ -192,6 +195,7 @@ struct FullTileCopier {
     } else {
       if constexpr (Layout::k_block_scale_bytes > 0) bs.read_ids(ring);
       if constexpr (Layout::k_scale_bytes > 0) ks.read_ids(ring);
+      if constexpr (Layout::v_param_bytes > 0) vp.read_ids(ring);
     }
     v.read_ids(ring);
     // All ring reads before the first cp.async: ptxas pads an LDGSTS that follows an LDS with three
@@ -204,6 +208,7 @@ struct FullTileCopier {
     } else {
       if constexpr (Layout::k_block_scale_bytes > 0) bs.issue(st + T::kOffBs);
       if constexpr (Layout::k_scale_bytes > 0) ks.issue(st + T::kOffKs);
+      if constexpr (Layout::v_param_bytes > 0) vp.issue(st + T::kOffVp);
     }
     v.issue(st + T::kOffV);
   }
@@ -222,6 +227,8 @@ __device__ __forceinline__ void load_partial_tile(uint32_t st, const DecodeParam
   if constexpr (Layout::k_scale_bytes > 0)
     load_field<Cfg, Layout::k_scale_bytes, false, false>(st + T::kOffKs, p.k_scale, ph, valid);
   load_field<Cfg, Layout::v_bytes, false, true>(st + T::kOffV, p.v, ph, valid);
+  if constexpr (Layout::v_param_bytes > 0)
+    load_field<Cfg, Layout::v_param_bytes, false, false>(st + T::kOffVp, p.v_param, ph, valid);
 }
 
 }  // namespace

@@ -76,6 +76,7 @@ struct PrefillTraits {
   static constexpr int kK8Row = Layout::k8_bytes;
   static constexpr int kBsRow = Layout::k_block_scale_bytes;
   static constexpr int kVRow = Layout::v_bytes;
+  static constexpr int kVpRow = Layout::v_param_bytes;
 
   // Tile images (global workspace and shared memory share the byte layout).
   static constexpr int kImgK = kBN * kQKRow;

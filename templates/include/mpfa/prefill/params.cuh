@@ -20,7 +20,8 @@
   X(const uint8_t*, k_block_scale) /* qk4pv8: [pages, Hkv, page_size, Layout::k_block_scale_bytes] */ \
   X(const float*, k_scale)         /* quantized K: [pages, Hkv, page_size] */                         \
   X(const uint8_t*, v)             /* [pages, Hkv, page_size, Layout::v_bytes] */                     \
-  X(const float*, v_scale)         /* quantized V: [Hkv, D] */                                        \
+  X(const float*, v_scale)         /* quantized V: [Hkv, D] (qk4pv4: of the rotated V) */             \
+  X(const uint8_t*, v_param)       /* qk4pv4: [pages, Hkv, page_size, Layout::v_param_bytes] */       \
   X(const int*, qo_indptr)         /* [batch + 1] */                                                  \
   X(const int*, kv_indptr)         /* [batch + 1] */                                                  \
   X(const int*, indices)                                                                              \

@@ -2,7 +2,8 @@
 //   K: kBN keys x D, INT8 (quantized recipes) or bf16, K-major, swizzled exactly as the main kernel's shared
 //     memory; qk4pv8's row becomes one INT8 row: the low-frequency channels' bytes as they are, each INT4
 //     nibble q times its block's integer scale b (an INT8 value by construction, recipes/int8.py i4rs_to_int8);
-//   V^T: D x kBN, keys contiguous and permuted for the FP8 P fragment (kv_key);
+//   V^T: D x kBN, keys contiguous and permuted for the FP8 P fragment (kv_key); qk4pv4's 4-bit V becomes the
+//     E4M3 V the other quantized recipes store (stage_v_u4h), so the main loop is theirs;
 //   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
 //   fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * sm_scale * log2 e (Kint_j the INT8 row), at fac_pos(j); zeros
 //   past the request's length. kTileScale builds: the tile's largest token scale s_T in place of every
@@ -18,6 +19,7 @@
 // reads of the compensation dot product are conflict-free) and raw V rows, then written out in image order
 // (consecutive threads write consecutive 16-byte chunks).
 #pragma once
+#include <cuda_fp16.h>
 #include <cstdint>
 #include "mpfa/quant.cuh"
 #include "mpfa/wgmma.cuh"
@@ -78,15 +80,56 @@ __device__ __forceinline__ void write_digits(uint8_t* img, int key, int c) {
         make_uint4(w[4 * c16], w[4 * c16 + 1], w[4 * c16 + 2], w[4 * c16 + 3]);
 }
 
+// qk4pv4: the block's staged V rows as E4M3 (stride kHeadDim bytes), from the 4-bit codes, as
+// python/mpfa/recipes/u4h.py prefill_image: x = q * scale + zero (one fmaf, in the rotated space), times the
+// correctly rounded 1 / v_scale of its channel (v_scale of the rotated V), rounded to E4M3 with saturation.
+// Thread tid converts 16 channels (c16 = tid % (D / 16): one constant set of 1 / v_scale) of every
+// kPackThreads / (D / 16)-th key; keys at or past `valid` stage zeros.
+template <class Kt, class RowOf>
+__device__ __forceinline__ void stage_v_u4h(const PrefillParams& p, int hk, int valid, RowOf row_of, uint8_t* st_v) {
+  constexpr int kChunks = Kt::kHeadDim / 16;
+  static_assert(Kt::kPackThreads % kChunks == 0, "a thread's chunk is the same for all its keys");
+  static_assert(Kt::Layout::kV4Group % 16 == 0, "a chunk's channels share one scale and zero point");
+  const int c16 = int(threadIdx.x) % kChunks;
+  float inv_vs[16];
+#pragma unroll
+  for (int e = 0; e < 16; e += 4) {
+    const float4 vs = *reinterpret_cast<const float4*>(p.v_scale + hk * Kt::kHeadDim + 16 * c16 + e);
+    inv_vs[e] = __frcp_rn(vs.x); inv_vs[e + 1] = __frcp_rn(vs.y);
+    inv_vs[e + 2] = __frcp_rn(vs.z); inv_vs[e + 3] = __frcp_rn(vs.w);
+  }
+  for (int key = int(threadIdx.x) / kChunks; key < Kt::kPackKeys; key += Kt::kPackThreads / kChunks) {
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if (key < valid) {
+      const int64_t row = row_of(key);
+      const uint2 codes = *reinterpret_cast<const uint2*>(p.v + row * Kt::kVRow + 8 * c16);   // channel 2i: low nibble
+      const __half2 param = *reinterpret_cast<const __half2*>(p.v_param + row * Kt::kVpRow +
+                                                              4 * (16 * c16 / Kt::Layout::kV4Group));
+      const float scale = __low2float(param), zero = __high2float(param);
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const uint32_t word = e < 8 ? codes.x : codes.y;
+        const float q0 = float((word >> (4 * (e % 8))) & 0xFu), q1 = float((word >> (4 * (e % 8) + 4)) & 0xFu);
+        const uint32_t pair = mpfa::to_e4m3x2(__fmul_rn(__fmaf_rn(q0, scale, zero), inv_vs[e]),
+                                              __fmul_rn(__fmaf_rn(q1, scale, zero), inv_vs[e + 1]));
+        w[e / 4] |= pair << (16 * ((e / 2) % 2));
+      }
+    }
+    *reinterpret_cast<uint4*>(st_v + key * Kt::kHeadDim + 16 * c16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
     kv_pack_kernel(const PrefillParams p, float score_scale) {
   using Kt = PrefillTraits<Cfg>;
-  // The block's kPackKeys keys (kernel_traits.cuh) staged: K rows padded to kStRow bytes, raw V rows, K scales.
+  // The block's kPackKeys keys (kernel_traits.cuh) staged: K rows padded to kStRow bytes, V rows (the cache's,
+  // or qk4pv4's as E4M3: kStVRow bytes), K scales.
   constexpr int kStRow = Kt::kQKRow + 16;
+  constexpr int kStVRow = Kt::Layout::kV4 ? Kt::kHeadDim : Kt::kVRow;
   constexpr int kPackOffK = 0;
   constexpr int kPackOffV = kPackOffK + Kt::kPackKeys * kStRow;
-  constexpr int kPackOffKs = kPackOffV + Kt::kPackKeys * Kt::kVRow;
+  constexpr int kPackOffKs = kPackOffV + Kt::kPackKeys * kStVRow;
   constexpr int kPackSmem = kPackOffKs + Kt::kPackKeys * 4;
   __shared__ __align__(16) uint8_t st[kPackSmem];
   float* ks = reinterpret_cast<float*>(st + kPackOffKs);
@@ -124,12 +167,16 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
     }
     *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
   }
-  constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
-  for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
-    const int key = u / (Kt::kVRow / 16), c16 = u % (Kt::kVRow / 16);
-    uint4 w = make_uint4(0u, 0u, 0u, 0u);
-    if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * Kt::kVRow + 16 * c16);
-    *reinterpret_cast<uint4*>(st + kPackOffV + key * Kt::kVRow + 16 * c16) = w;
+  if constexpr (Kt::Layout::kV4) {
+    stage_v_u4h<Kt>(p, hk, valid, row_of, st + kPackOffV);
+  } else {
+    constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
+    for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
+      const int key = u / (Kt::kVRow / 16), c16 = u % (Kt::kVRow / 16);
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * Kt::kVRow + 16 * c16);
+      *reinterpret_cast<uint4*>(st + kPackOffV + key * Kt::kVRow + 16 * c16) = w;
+    }
   }
   if (Kt::kQuant && tid < Kt::kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
   __syncthreads();
@@ -182,7 +229,7 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
       uint32_t w[16];
 #pragma unroll
       for (int q = 0; q < 16; ++q)
-        w[q] = *reinterpret_cast<const uint32_t*>(rawv + kv_key<Kt>(16 * blk + q) * Kt::kVRow + d0);
+        w[q] = *reinterpret_cast<const uint32_t*>(rawv + kv_key<Kt>(16 * blk + q) * kStVRow + d0);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t o[4];
@@ -202,7 +249,7 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
       const int d0 = 2 * (u % (Kt::kHeadDim / 2)), blk = u / (Kt::kHeadDim / 2);   // 8-key group of the staged keys
       uint32_t w[8];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + (8 * blk + q) * Kt::kVRow + 2 * d0);
+      for (int q = 0; q < 8; ++q) w[q] = *reinterpret_cast<const uint32_t*>(rawv + (8 * blk + q) * kStVRow + 2 * d0);
       uint32_t lo[4], hi[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
