@@ -49,11 +49,12 @@ MODEL_CONFIGS = (  # (impl, recipe, compensation, smoothing)
     ("stock", None, None, None), (PEER_FP8_KV, None, None, None), (PEER_FA3_FP8_KV, None, None, None),
     ("mpfa", "qk8pv8", True, True), ("mpfa", "qk8pv8", False, True),
     ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True), ("mpfa", "qk4pv8", True, False),
+    ("mpfa", "qk4pv4", True, True),
 )
 NEEDLE_CONFIGS = (
     ("mpfa", "bf16", None, None), ("stock", None, None, None), (PEER_FP8_KV, None, None, None),
     (PEER_FA3_FP8_KV, None, None, None), ("mpfa", "qk8pv8", True, True),
-    ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True),
+    ("mpfa", "qk4pv8", True, True), ("mpfa", "qk4pv8", False, True), ("mpfa", "qk4pv4", True, True),
 )
 
 
@@ -227,7 +228,7 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
         series = {}
         for rc, comp, sm, label in (("bf16", None, None, "bf16"), ("qk8pv8", True, True, "qk8pv8"),
                                     ("qk8pv8", False, True, "qk8pv8 no comp"), ("qk4pv8", True, True, "qk4pv8"),
-                                    ("qk4pv8", False, True, "qk4pv8 no comp"),
+                                    ("qk4pv8", False, True, "qk4pv8 no comp"), ("qk4pv4", True, True, "qk4pv4"),
                                     ("qk8pv8", True, False, "qk8pv8 no K smoothing")):
             vals = []
             for x in xs:

@@ -14,8 +14,9 @@ compensation that compensation removes:
   layer of SmolLM2 on KJV text, at the longest captured context (``kernel_real_context``).
 * ``compensation_recovery_ppl``: qk4pv8 (K smoothing on) perplexity on KJV at ``ppl_context``
   (8K when the run has it, else its longest length).
-* ``ppl_increase_<recipe>`` = ppl(recipe, with compensation) / ppl(bf16) - 1, same text and length.
-* ``kl_qk4pv8``: mean per-token KL(bf16 || qk4pv8), nats, same text and length.
+* ``ppl_increase_<recipe>`` = ppl(recipe, with compensation) / ppl(bf16) - 1, same text and length (``_stdlib``:
+  on the stdlib sources), for each of MEASURED_RECIPES; None where the run has no row of it.
+* ``kl_<recipe>``: mean per-token KL(bf16 || recipe), nats, same text and length.
 * ``compensation_recovery_kernel_outlier`` (``_qk8pv8``): the same on the synthetic inputs with outlier
   channels (:mod:`.kernel`), at their longest context (``kernel_outlier_context``).
 * ``ppl_recovery_is_noise``: true when qk4pv8's perplexity loss without compensation is under 0.2%
@@ -60,6 +61,10 @@ def _smooth(recipe, smooth=True):
     return None if recipe == "bf16" else smooth
 
 
+# the quantized recipes whose perplexity increase and KL the summary names (ppl_increase_<recipe>[_stdlib], kl_<recipe>)
+MEASURED_RECIPES = ("qk4pv8", "qk8pv8", "qk4pv4")
+
+
 def summarize(rows: list[dict]) -> dict:
     all_rows, rows = rows, _ok(rows)
     kern = [r for r in rows if r.get("kind") == "kernel" and r.get("op") == "prefill"]
@@ -96,11 +101,11 @@ def summarize(rows: list[dict]) -> dict:
 
     base = ppl("bf16")
     out["compensation_recovery_ppl"] = _recovery(ppl("qk4pv8", False), ppl("qk4pv8", True), base)
-    for rc in ("qk4pv8", "qk8pv8"):
+    for rc in MEASURED_RECIPES:
         p = ppl(rc, True)
         out[f"ppl_increase_{rc}"] = None if None in (p, base) else p / base - 1
-    r = mrow("qk4pv8", True)
-    out["kl_qk4pv8"] = None if r is None else r.get("kl")
+        r = mrow(rc, True)
+        out[f"kl_{rc}"] = None if r is None else r.get("kl")
     p0 = ppl("qk4pv8", False)
     out["ppl_loss_qk4pv8_without_compensation"] = None if None in (p0, base) else p0 / base - 1
     out["ppl_recovery_is_noise"] = (None if out["ppl_loss_qk4pv8_without_compensation"] is None
@@ -108,7 +113,7 @@ def summarize(rows: list[dict]) -> dict:
     st = mrow(None, None, None, impl="stock")
     out["stock_vs_bf16_kl"] = None if st is None else st.get("kl")
     base_stdlib = ppl("bf16", text="stdlib")
-    for rc in ("qk4pv8", "qk8pv8"):
+    for rc in MEASURED_RECIPES:
         p = ppl(rc, True, text="stdlib")
         out[f"ppl_increase_{rc}_stdlib"] = None if None in (p, base_stdlib) else p / base_stdlib - 1
 
