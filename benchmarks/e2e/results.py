@@ -17,7 +17,7 @@ ALL_PARTS = ("agreement", "capacity", "launch", "throughput", "soak", "tp")   # 
 # The throughput configurations, in the plot's order: SGLang's fa3 backend (its default on Hopper) with a BF16 and an
 # FP8 KV cache, its FlashInfer backend (BF16 / FP8 KV), then mpfa's.
 FA3_PEERS = ("sglang-fa3-bf16", "sglang-fa3-fp8kv")
-CONFIGS = (*FA3_PEERS, "flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8")
+CONFIGS = (*FA3_PEERS, "flashinfer-bf16", "flashinfer-fp8", "mpfa-bf16", "mpfa-qk8pv8", "mpfa-qk4pv8", "mpfa-qk4pv4")
 # The peers the summary sets the headline recipe against, with its keys' suffixes.
 PEERS = {"sglang-fa3-bf16": "sglang_fa3_bf16", "sglang-fa3-fp8kv": "sglang_fa3_fp8kv",
          "flashinfer-bf16": "flashinfer_bf16", "flashinfer-fp8": "flashinfer_fp8"}
@@ -102,6 +102,8 @@ def summarize(rows: list[dict]) -> dict:
         q4 = ratios.get("mpfa-qk4pv8")
         if q4 is not None:
             out["kv_capacity_ratio"] = q4
+        if ratios.get("mpfa-qk4pv4") is not None:
+            out["kv_capacity_ratio_qk4pv4"] = ratios["mpfa-qk4pv4"]
         out["kv_capacity_ratio_vs_flashinfer_bf16"] = ratios
     launch = [r for r in rows if r["part"] == "launch"]
     if launch:

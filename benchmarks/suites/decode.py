@@ -240,9 +240,9 @@ def summarize(rows: list[dict]) -> dict:
     by_recipe = {r: min(fractions(r, lambda x: x["batch"] * x["context"] >= BIG), default=None) for r in measured}
     mine = find("mpfa", "qk4pv8", *HEADLINE)
 
-    def ratio(peer):
-        other = find("flashinfer", peer, *HEADLINE)
-        return mine["ms"] / other["ms"] if mine and other else None
+    def ratio(peer, recipe="qk4pv8"):
+        ours, other = find("mpfa", recipe, *HEADLINE), find("flashinfer", peer, *HEADLINE)
+        return ours["ms"] / other["ms"] if ours and other else None
 
     single = fractions("qk4pv8", lambda x: (x["batch"], x["context"]) == (1, 131072))
     graph = {}
@@ -261,6 +261,7 @@ def summarize(rows: list[dict]) -> dict:
         "hbm_fraction_1x128k_qk4pv8": min(single) if single else None,
         "time_ratio_vs_flashinfer_bf16": ratio("fi-bf16"),
         "time_ratio_vs_flashinfer_fp8": ratio("fi-fp8"),
+        "time_ratio_vs_flashinfer_bf16_by_recipe": {r: ratio("fi-bf16", r) for r in measured if r != "bf16"},
         "speedup_vs_flashinfer_nvfp4": fi_nvfp4["ms"] / mine["ms"] if mine and fi_nvfp4 else None,
         # SGLang's decode (server_decode_splits: grid for a 128K context, split size from the batch) over
         # the adaptive plan, per shape

@@ -218,7 +218,8 @@ def test_requests_fill_the_largest_pool_twice():
              "max_total_num_tokens": 99999}]
     pools = tp.estimated_pool_tokens(rows, "llama-3.1-8b", tp.CONFIGS)
     assert pools["flashinfer-fp8"] == 2000 and pools["mpfa-qk4pv8"] == int(1000 * 512 / tp.BYTES_PER_TOKEN_HEAD_D128["mpfa-qk4pv8"])   # measured / bytes ratio
-    assert tp.requests_to_fill(pools, tp.CONFIGS, 90, 10) == -(-2 * pools["mpfa-qk4pv8"] // 100)
+    assert max(pools.values()) == pools["mpfa-qk4pv4"]   # the smallest cache row, the largest pool
+    assert tp.requests_to_fill(pools, tp.CONFIGS, 90, 10) == -(-2 * pools["mpfa-qk4pv4"] // 100)
     assert tp.requests_to_fill(pools, ["flashinfer-bf16"], 90, 10) == 20
     with pytest.raises(ValueError, match="no measured max_total_num_tokens"):
         tp.estimated_pool_tokens(rows[2:], "qwen3-14b", tp.CONFIGS)
