@@ -338,7 +338,7 @@ class BatchDecodeWrapper:
 
     def _run_kernel(self, q, kv, out, return_lse):
         p = self._plan
-        written, lse = kernel_outputs(q, out if kv.v_rotation is None else None, return_lse)
+        written, lse = kernel_outputs(q, out, return_lse, kv)
         a = p.params
         a.q, a.q_stride_b, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
         bind_cache_layer(a, kv)

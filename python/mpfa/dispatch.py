@@ -59,17 +59,16 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, return_lse: bool):
-    """(out, lse) for an attention kernel writing rows like ``q``: ``out`` allocated when not given,
-    LSE [rows, heads] float32 only when asked for. A cache whose V is stored rotated (qk4pv4) takes ``out=None``
-    here: its kernel writes O_rot into that scratch, which :func:`finish_output` rotates into the caller's ``out``."""
+def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, return_lse: bool, kv):
+    """(what the kernel writes, lse) for an attention kernel writing rows like ``q``: ``out`` (checked), or a new
+    tensor when not given; LSE [rows, heads] float32 only when asked for. A cache whose V is stored rotated (qk4pv4)
+    has its kernel write O_rot into a new scratch tensor, which :func:`finish_output` rotates into ``out``."""
     check_vector_rows("q", q)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    else:
+    if out is not None:
         check_vector_rows("out", out)
+    written = out if out is not None and kv.v_rotation is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-    return out, lse
+    return written, lse
 
 
 def finish_output(kernel_out: torch.Tensor, kv, out: torch.Tensor | None) -> torch.Tensor:

@@ -306,7 +306,7 @@ class BatchPrefillWrapper:
 
     def _run_kernel(self, q, kv, out, return_lse):
         k = self._plan.kernel
-        written, lse = kernel_outputs(q, out if kv.v_rotation is None else None, return_lse)
+        written, lse = kernel_outputs(q, out, return_lse, kv)
         a = k.params
         a.q, a.q_stride_t, a.q_stride_h = q.data_ptr(), q.stride(0), q.stride(1)
         bind_cache_layer(a, kv)

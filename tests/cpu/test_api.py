@@ -850,10 +850,15 @@ def test_workspace_capacity_and_device_are_checked():
 def test_kernel_outputs_allocate_or_check_the_output():
     from mpfa.dispatch import data_ptr, kernel_outputs
     q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
-    out, lse = kernel_outputs(q, None, True)
+    plain, rotated = (mpfa.PagedKVCache(r, num_layers=1, num_pages=1, page_size=16, num_kv_heads=4, head_dim=64,
+                                        device="cpu").layer(0) for r in ("qk4pv8", "qk4pv4"))
+    out, lse = kernel_outputs(q, None, True, plain)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous() and lse.shape == (3, 4)
     given = torch.empty_like(q)
-    assert kernel_outputs(q, given, False) == (given, None)
-    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
-        kernel_outputs(q, torch.empty(3, 64, 4, dtype=torch.bfloat16).transpose(1, 2), False)
+    assert kernel_outputs(q, given, False, plain) == (given, None)
+    scratch, _ = kernel_outputs(q, given, False, rotated)   # V stored rotated: the kernel writes O_rot elsewhere
+    assert scratch.shape == q.shape and scratch.data_ptr() != given.data_ptr()
+    for kv in (plain, rotated):   # the caller's out is checked either way
+        with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+            kernel_outputs(q, torch.empty(3, 64, 4, dtype=torch.bfloat16).transpose(1, 2), False, kv)
     assert data_ptr(None) is None and data_ptr(q) == q.data_ptr()

@@ -54,12 +54,13 @@ def _literal_quantize(row_bf16: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
             continue
         lo, hi = np.float32(x.min()), np.float32(x.max())
         with np.errstate(over="ignore"):
-            zero = np.float16(lo)
+            zero = np.float16(np.float32(lo + np.float32(0)))   # -0 + 0 = +0
             span = np.float32(hi - np.float32(zero))
             scale = np.float16(np.float32(span / np.float32(15)))
         if span <= 0 or scale == 0:
             scale = np.float16(1)
-        if not (np.isfinite(zero) and np.isfinite(scale)):
+        top = np.float32(np.float32(15) * np.float32(scale) + np.float32(zero))   # the product is exact
+        if not (np.isfinite(zero) and np.isfinite(scale)) or top > 65504:
             params[2 * g] = params[2 * g + 1] = np.float16(np.nan)
             continue
         inv = np.float32(np.float32(1) / np.float32(scale))
@@ -274,6 +275,35 @@ def test_head_dim_outside_the_kernels_is_refused():
 
 
 # --- the cache and the reference append -------------------------------------------------------------------------
+
+def test_a_top_code_past_fp16s_range_is_a_faulty_group():
+    """zero and scale finite, but 15 * scale + zero above 65504: decode's fp16 value of the top code would be inf
+    where prefill's fp32 is finite, so the group is stored faulty (NaN parameters, codes 0); one just inside is not."""
+    d = 64
+    # v = (v0, v1, 0, ...) rotates exactly to (v0 + v1) / 8 on even channels and (v0 - v1) / 8 on odd ones
+    v = torch.zeros(2, d, dtype=torch.bfloat16)
+    v[0, 0], v[0, 1] = 135168.0, 397312.0     # 66560 and -32768: zero -32768, scale fp16(99328 / 15) = 6620, top 66532
+    v[1, 1] = 262144.0                        # +-32768: scale 4368, top 32752
+    rot = u4h.rotate(v)
+    assert rot[0].amax() == 66560 and rot[0].amin() == -32768 and rot[1].abs().amax() == 32768
+    packed, v_param = u4h.quantize_u4h(v)
+    scale, zero = u4h.split_param(v_param)
+    assert torch.isnan(scale[0, 0]) and torch.isnan(zero[0, 0]) and (packed[0, :16] == 0).all()
+    assert torch.isfinite(scale[1]).all() and torch.isfinite(u4h.decode_values(packed[1], v_param[1]).float()).all()
+    lit_packed, lit_params = _literal_quantize(v[0])
+    assert np.array_equal(packed[0].numpy(), lit_packed) and _same_params(v_param[0], lit_params)
+
+
+def test_a_negative_zero_minimum_is_stored_as_positive_zero():
+    """A group whose minimum is -0 (here an all -0 row: its rotation is -0 in channel 0 and +0 elsewhere, and a
+    min over both signs may return either) stores the zero point +0 bit for bit, as the kernel does (lo + 0)."""
+    d = 64
+    v = torch.full((1, d), -0.0, dtype=torch.bfloat16)
+    _, v_param = u4h.quantize_u4h(v)
+    _, zero = u4h.split_param(v_param)
+    assert (zero.view(torch.int16) == 0).all()
+    assert _same_params(v_param[0], _literal_quantize(v[0])[1])
+
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_reference_append_matches_a_literal_implementation_byte_for_byte(d):

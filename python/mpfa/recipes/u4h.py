@@ -20,7 +20,8 @@ One (token, KV head) row ``v`` (bf16, ``D`` channels, D = 64 or 128) is stored a
 3. A faulty group stores ``scale = zero = NaN`` (any payload) and codes 0, so every channel dequantizes to NaN and
    attention propagates the fault, as the other recipes' NaN scales do: a group whose rotated values are not all
    finite (a NaN or inf anywhere in the input row reaches every group: the rotation mixes all channels), or whose
-   fp16 zero point or scale overflows (rotated values beyond fp16's +-65504, which the decode path could not hold).
+   fp16 zero point or scale overflows, or whose top code's value ``fp32(15 * scale + zero)`` exceeds fp16's 65504
+   (rotated values the decode path could not hold). The zero point of a group whose minimum is -0 is +0.
 
 Bytes: ``v`` uint8 ``[D/2]``, channel 2i in the low nibble of byte i and 2i+1 in the high one; ``v_param`` fp16
 ``[D/16]``, group g's ``[scale_g, zero_g]`` at halves 2g, 2g + 1.
@@ -43,6 +44,7 @@ from .fp8 import as_e4m3, fdiv, quantize_e4m3
 
 GROUP = 32             # channels per scale and zero point
 CODE_MAX = 15          # codes 0..15
+FP16_MAX = 65504.0     # the largest finite fp16 value
 HEAD_DIMS = (64, 128)  # the rotation is for powers of two with whole groups; the kernels build these
 
 
@@ -132,11 +134,14 @@ def quantize_u4h(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = r.reshape(*r.shape[:-1], d // GROUP, GROUP)
     finite = torch.isfinite(g).all(dim=-1)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    zero = lo.to(torch.float16)                                   # float32 -> fp16: one rounding
+    zero = (lo + 0.0).to(torch.float16)   # -0 + 0 = +0: a zero point of either sign is stored +0; then one rounding
     span = hi - zero.float()                                      # one fp32 rounding
     scale = fdiv(span, 15.0).to(torch.float16)                    # IEEE division, then one rounding to fp16
     scale = torch.where((span <= 0) | (scale == 0), torch.ones_like(scale), scale)
-    faulty = ~finite | ~torch.isfinite(zero) | ~torch.isfinite(scale)
+    # the top code's value, fmaf(15, scale, zero) (the product is exact in float32): past fp16's largest finite value,
+    # decode's fp16 dequantization would overflow where prefill's fp32 one does not
+    top = scale.float() * CODE_MAX + zero.float()
+    faulty = ~finite | ~torch.isfinite(zero) | ~torch.isfinite(scale) | (top > FP16_MAX)
     inv = fdiv(torch.ones_like(span), scale.float())              # rcp.rn
     y = (g - zero.float().unsqueeze(-1)) * inv.unsqueeze(-1)      # two fp32 roundings
     q = torch.round(torch.where(torch.isnan(y), torch.zeros_like(y), y)).clamp(0, CODE_MAX)

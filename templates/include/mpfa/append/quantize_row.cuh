@@ -150,13 +150,14 @@ __device__ __forceinline__ void store_v_u4h(const AppendParams& p, bool write, i
   }
   // A NaN or an infinity in the group makes lo or hi non-finite (NaN-propagating min / max), and so the fp16
   // zero point (lo) or the scale (hi - zero): testing those two finds every faulty group.
-  __half zero = __float2half_rn(lo);
+  __half zero = __float2half_rn(__fadd_rn(lo, 0.f));   // -0 + 0 = +0: the reference's canonical zero point
   const float zero_f = __half2float(zero);
   const float d = __fsub_rn(hi, zero_f);
   __half scale = __float2half_rn(__fdiv_rn(d, 15.f));
   if (d <= 0.f || __half_as_ushort(scale) == 0) scale = __ushort_as_half(0x3C00);   // 1.0: an all-equal group
   const auto finite = [](__half v) { return (__half_as_ushort(v) & 0x7C00) != 0x7C00; };
-  if (!finite(zero) || !finite(scale)) {
+  // and a top code whose fp16 value would overflow in decode (the reference's fmaf(15, scale, zero) > 65504)
+  if (!finite(zero) || !finite(scale) || __fmaf_rn(15.f, __half2float(scale), zero_f) > 65504.f) {
     zero = __ushort_as_half(0x7E00);
     scale = zero;
   }

@@ -32,8 +32,13 @@ __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* bas
       const int within = o % kRun;
       int dst = o;
       if constexpr (R >= 16 && (kSwizzleK || kSwizzleV)) {
-        const int row = o / R;
-        dst = o ^ ((kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row)) << 4);
+        const int row = o / R, chunk = (o % R) / 16;
+        const int sw = kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row);
+        // kV4's V swizzle moves whole rows within their 128-byte line, which only the XOR of the byte offset
+        // expresses; the other recipes keep the chunk form (same addresses, the code their builds were
+        // measured with)
+        if constexpr (T::kV4) dst = o ^ (sw << 4);
+        else dst = row * R + ((chunk ^ sw) << 4);
       }
       const uint8_t* src = base + within;
       int nbytes = valid_tokens * R - o;
@@ -83,8 +88,10 @@ struct FullTileField {
     if constexpr (!kSwizzled) {
       return o;
     } else {
-      const int row = int(o) / R;
-      return o ^ uint32_t((kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row)) << 4);
+      const int row = int(o) / R, chunk = (int(o) % R) / 16;
+      const int sw = kSwizzleK ? T::k_swizzle(row) : T::v_swizzle(row);
+      if constexpr (T::kV4) return o ^ uint32_t(sw << 4);   // as load_field: kV4 moves rows within their line
+      else return uint32_t(row * R + ((chunk ^ sw) << 4));
     }
   }
   __device__ __forceinline__ explicit FullTileField(const uint8_t* base) {
