@@ -41,11 +41,11 @@ KNOBS = {"stages": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": 
 # compensation term as one more INT8 k-step of the QK MMA (one Q scale per request and head), both PV column
 # parts before one wait, and 2 stages. qk8pv8 keeps per-key K scales and 64-row Q scales: the tile scale cost
 # it 29% in KL (its INT8 K loses more to requantization than qk4pv8's 4-bit K). bf16: 2 stages (3 do not fit).
-# qk4pv4 is qk4pv8's build: the same K, and its pre-pass writes the same FP8 V image from the 4-bit V.
 SERVED_KNOBS = {"bf16": {"stages": 2, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
                 "qk8pv8": {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
-                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1},
-                "qk4pv4": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}}
+                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}}
+# qk4pv4 is qk4pv8's build: the same K, and its pre-pass writes the same FP8 V image from the 4-bit V.
+SERVED_KNOBS["qk4pv4"] = dict(SERVED_KNOBS["qk4pv8"])
 
 
 def build_knobs(recipe: str, knobs: dict | None = None) -> dict:
