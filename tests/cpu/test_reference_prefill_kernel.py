@@ -73,7 +73,7 @@ def _requests_with_rows(qo):
 
 def test_model_is_within_the_recipes_error_of_exact(served):
     """The model is the recipe plus rounding details: as close to exact attention as recipe_attention is."""
-    recipe, q, layer, qo, indptr, indices, last, lengths, (exact, quant, model, _, _) = served
+    recipe, q, layer, qo, indptr, indices, last, lengths, (exact, quant, model, *_) = served
     for b in _requests_with_rows(qo):
         rows = slice(int(qo[b]), int(qo[b + 1]))
         o_x = exact[b][0]
@@ -86,7 +86,7 @@ def test_model_differs_from_recipe_attention_by_about_the_old_floor(served):
     """P under the running maximum and the kernel's fp32 scores move the FP8 recipes' outputs by ~1e-3-5e-3
     rel-L2 from recipe_attention (what the old `max(err_ref, 4e-3)` absorbed), bf16's by far less; a one-key
     request not at all (its P is exactly the maximum's)."""
-    recipe, q, layer, qo, indptr, indices, last, lengths, (exact, quant, model, _, _) = served
+    recipe, q, layer, qo, indptr, indices, last, lengths, (exact, quant, model, *_) = served
     diffs = [gpu._rel_l2(model.o[int(qo[b]):int(qo[b + 1])], quant[b][0]) for b in _requests_with_rows(qo)]
     assert diffs[0] < 1e-5
     if recipe == "bf16":
@@ -198,7 +198,7 @@ def test_compensation_cuts_the_references_error_on_q_with_a_large_mean(recipe):
     exact = gpu.exact_on_kernel_k(q, qo, layer, indptr, indices, lengths, recipe)
     errs = {}
     for compensation in (True, False):
-        _, quant, model, _, _ = gpu._refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
+        _, quant, model, *_ = gpu._refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True,
                                           compensation=compensation)
         o_ref = torch.cat([o for o, _ in quant])
         errs[compensation] = (gpu.request_errors(o_ref, qo, exact), gpu.request_errors(model.o, qo, exact))
@@ -455,3 +455,37 @@ def test_flip_max_sums_keys_with_equal_arguments():
     assert (model.flip_max >= torch.maximum(single, pair) * (1 - 1e-12)).all()
     assert (model.flip_max <= carry.sum(dim=-1).transpose(0, 1) * (1 + 1e-12)).all()
     assert (carry[arg == 8.0] == 0).all()                                    # log2 p_scale = 8: never moves
+
+
+def test_one_flip_removed_takes_out_one_keys_step_on_every_twin():
+    """The GPU test's allowance for one correlated P rounding event: a kernel output that is the model plus one
+    E4M3 step of key j in head h on all 40 twin rows comes back to the model (up to float64 rounding), the event
+    named; the same move in a causal request (no twins) is not taken out."""
+    model, v = _equal_rows_request(causal=False)
+    rows, h, j = slice(0, 40), int(model.flip_max[0].argmax()), 60   # a head whose other keys carry weight
+    vj = v[j, h // (model.o.shape[1] // v.shape[1])]
+    c = 0.9 * 2.0 ** -3 * model.flip_max[0, h].item() / vj.norm().item()   # within one step of what the key carries
+    moved = model.o.clone()
+    moved[:, h] += c * vj
+    before = gpu._rel_l2(moved, model.o)
+    left, event = model.one_flip_removed(moved, rows, v)
+    assert before > 1e-4 and left < 1e-9 * before, (before, left)
+    assert event.startswith(f"key {j} of head {h} on 40 twin rows"), event
+    causal, _ = _equal_rows_request(causal=True)
+    moved = causal.o.clone()
+    moved[:, h] += c * vj
+    left, event = causal.one_flip_removed(moved, rows, v)
+    assert left == pytest.approx(gpu._rel_l2(moved, causal.o)) and event.startswith("no single key"), event
+
+
+def test_one_flip_removed_does_not_take_out_more_than_one_step():
+    """A move of key j 8x past one E4M3 step of what it carries (a dropped or doubled key, not a rounding event) is
+    not one flip: at most a within-cap projection onto some key is removed, and most of the difference stays."""
+    model, v = _equal_rows_request(causal=False)
+    rows, h, j = slice(0, 40), 1, 70
+    vj = v[j, h // (model.o.shape[1] // v.shape[1])]
+    moved = model.o.clone()
+    moved[:, h] += 8 * 2.0 ** -3 * model.flip_max[0, h].item() * vj / vj.norm()
+    before = gpu._rel_l2(moved, model.o)
+    left, _ = model.one_flip_removed(moved, rows, v)
+    assert left > 0.8 * before, (before, left)
