@@ -20,6 +20,8 @@ QO_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SERVER_CONTEXT = 131072   # the SGLang backend's graph grid covers this context (server_decode_splits)
 SHAPES = ((1, 131072), (8, 131072), (32, 32768), (128, 8192), (256, 4096))   # (batch, context)
 PAGE_SIZES = (16, 1)
+# the other page sizes the kernels serve, mpfa only and at the headline shape: every page size has a measured row
+OTHER_PAGE_SIZES = (32, 64)
 # FlashInfer NVFP4 KV: 64 B K + 64 B V values and 8 + 8 B of E4M3 block scales.
 BYTES_PER_TOKEN_HEAD = {**{r: get_recipe(r).bytes_per_token_head(HEAD_DIM) for r in RECIPES},
                         "fi-bf16": 512, "fi-fp8": 256, "fi-nvfp4": 144}
@@ -59,6 +61,9 @@ def cases(quick: bool = False) -> list[dict]:
             if p == 16:   # the SGLang backend's decode splits (eager = graph replay; 128K-context server)
                 out.append(_case("mpfa-graph", "qk4pv8", b, ctx, p))
             out += [_case("flashinfer", kv, b, ctx, p) for kv in ("fi-bf16", "fi-fp8", "fi-nvfp4")]
+    if not quick:
+        b, ctx, _ = HEADLINE
+        out += [_case("mpfa", r, b, ctx, p) for p in OTHER_PAGE_SIZES for r in RECIPES]
     return out
 
 
@@ -238,6 +243,9 @@ def summarize(rows: list[dict]) -> dict:
 
     measured = [r for r in RECIPES if any(x["recipe"] == r for x in ok)]   # a recipe not run yet has no entry
     by_recipe = {r: min(fractions(r, lambda x: x["batch"] * x["context"] >= BIG), default=None) for r in measured}
+    pages = sorted({x["page_size"] for x in ok if x["impl"] == "mpfa"})
+    by_page = {r: {str(p): min(fractions(r, lambda x, p=p: x["batch"] * x["context"] >= BIG and x["page_size"] == p),
+                               default=None) for p in pages} for r in measured}
     mine = find("mpfa", "qk4pv8", *HEADLINE)
 
     def ratio(peer, recipe="qk4pv8"):
@@ -258,6 +266,7 @@ def summarize(rows: list[dict]) -> dict:
         "hbm_read_gbps": hbm,
         "min_hbm_fraction": by_recipe["qk4pv8"],
         "min_hbm_fraction_by_recipe": by_recipe,
+        "min_hbm_fraction_by_recipe_and_page": by_page,
         "hbm_fraction_1x128k_qk4pv8": min(single) if single else None,
         "time_ratio_vs_flashinfer_bf16": ratio("fi-bf16"),
         "time_ratio_vs_flashinfer_fp8": ratio("fi-fp8"),
