@@ -133,6 +133,7 @@ import torch
 from benchmarks import cli
 from mpfa.recipes.fp4 import BLOCK, E2M1_MAX, TOKEN_TARGET, e2m1_codes, e2m1_values, round_up_block_scale
 from mpfa.recipes import int8 as I8
+from mpfa.recipes.u4h import hadamard   # the orthonormal H of the served qk4pv4: V H is stored, O = (P V H) H
 from mpfa.recipes.fp8 import (E4M3_DTYPE, E4M3_MAX, P_SCALE, amax_scale, quantize_e4m3, quantize_per_tile,
                                quantize_per_token)
 from mpfa.reference.attention import _run, attention
@@ -365,16 +366,6 @@ def v4_quantize(x: torch.Tensor, fmt: V4, outliers: torch.Tensor | None = None) 
     return torch.empty_like(deq).scatter_(-1, order, deq)
 
 
-def hadamard(d: int) -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix of order ``d`` (a power of two): V H is stored, O = (P V H) H^T."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    if h.shape[0] != d:
-        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {d}")
-    return h / math.sqrt(d)
-
-
 def v4_effective(v: torch.Tensor, spec: dict, cal: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """V as the PV MMA sees it under the 4-bit format ``spec`` ({format, sink, fp16} from :func:`parse`) and
     mu_V to add to the normalized output (``centre``; else None). Prefill (default): the pre-pass writes
@@ -387,7 +378,7 @@ def v4_effective(v: torch.Tensor, spec: dict, cal: dict) -> tuple[torch.Tensor, 
         mean = cal["mu_v"]
         x, scale = x - mean, cal["v_scale_s"]
     if fmt.rotate:
-        h = hadamard(x.shape[-1]).to(x.device)
+        h = hadamard(x.shape[-1], dtype=torch.float32, device=x.device)
         x, scale = x @ h, cal["v_scale_h"]
     deq = v4_quantize(x, fmt, cal.get("v_o8"))
     deq = deq.half().float() if spec["fp16"] else quantize_e4m3(deq, scale).float() * scale
@@ -545,7 +536,7 @@ def calibrate(k_ctx: torch.Tensor, v_ctx: torch.Tensor, mu: str, n_cal: int = N_
            "v_o8": v4_outlier_channels(vf[:n_cal])}
     d = vf.shape[-1]
     if d & (d - 1) == 0:
-        out["v_scale_h"] = _v_scale(vf @ hadamard(d).to(vf.device))
+        out["v_scale_h"] = _v_scale(vf @ hadamard(d, dtype=torch.float32, device=vf.device))
     if q_ctx is not None and q_ctx.shape[0] > 0:
         out["mu_q"] = q_ctx.float().mean(dim=0)
         out["mu_q_first"] = q_ctx[:n_cal].float().mean(dim=0)

@@ -7,6 +7,7 @@ import torch
 from benchmarks.accuracy import error_budget as eb
 from mpfa.recipes.fp8 import E4M3_DTYPE, quantize_e4m3
 from mpfa.recipes.int8 import bytes_per_token_head
+from mpfa.recipes.u4h import hadamard
 
 
 def _values(m=256, heads=2, d=64, seed=0):
@@ -76,7 +77,7 @@ def test_prefill_is_the_fp8_tile_image_decode_is_fp16(fmt):
     cal = _cal(v)
     spec = eb.V4_FORMATS[fmt]
     key = "v_scale_h" if spec.rotate else "v_scale_s" if spec.centre else "v_scale"
-    h = eb.hadamard(64)
+    h = hadamard(64, dtype=torch.float32)
     base = (v - cal["mu_v"] if spec.centre else v) @ (h if spec.rotate else torch.eye(64))
     back = (lambda y: y @ h) if spec.rotate else (lambda y: y)    # undo H^T (H is symmetric and orthonormal)
     pre, mean = eb.v4_effective(v, {"format": fmt, "sink": False, "fp16": False}, cal)
@@ -98,10 +99,10 @@ def test_prefill_is_the_fp8_tile_image_decode_is_fp16(fmt):
 
 
 def test_rotation_and_centring():
-    h = eb.hadamard(64)
+    h = hadamard(64, dtype=torch.float32)
     assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
     with pytest.raises(ValueError):
-        eb.hadamard(96)
+        hadamard(96)
     v = _values()
     cal = _cal(v)
     err = {f: _err(eb.v4_effective(v, {"format": f, "sink": False, "fp16": True}, cal)[0] +
