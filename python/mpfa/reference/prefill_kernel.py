@@ -102,14 +102,14 @@ class KernelModel:
         D]`` in the model's space (qk4pv4's rotated back: a step in O_rot is the same step in O, H orthonormal).
         Returns (rel-L2 left, what was taken out). The allowance of tests/gpu/test_prefill_gpu.py's "Correlated P
         rounding"."""
-        ref = self.o[rows]
+        ref, twins, flip_max = self.o[rows], self.twins[rows], self.flip_max[rows]
         r = o.double() - ref
         group = r.shape[1] // v.shape[1]
         best = (0.0, None)
         for h in range(r.shape[1]):
             # twin rows have bit-equal P, hence equal model rows: a class is a set of equal rows of o among the
             # twins (rows whose keys past the others' underflow to P = 0 have equal o too, but no shared P)
-            twin = (self.twins[rows][:, h] > 1).nonzero().flatten()
+            twin = (twins[:, h] > 1).nonzero().flatten()
             if twin.numel() < 2:
                 continue
             _, cls, counts = torch.unique(ref[twin, h], dim=0, return_inverse=True, return_counts=True)
@@ -118,7 +118,7 @@ class KernelModel:
             dots = vj @ r[members, h].mean(dim=0)
             norms2 = (vj * vj).sum(dim=-1).clamp_min(1e-300)
             c = dots / norms2
-            cap = 2.0 ** -3 * 1.1 * self.flip_max[rows][members[0], h]
+            cap = 2.0 ** -3 * 1.1 * flip_max[members[0], h]
             gain = torch.where(c.abs() * norms2.sqrt() <= cap, len(members) * dots * dots / norms2, torch.zeros_like(c))
             j = int(gain.argmax())
             if gain[j] > best[0]:

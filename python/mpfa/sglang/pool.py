@@ -90,8 +90,7 @@ class MpfaTokenToKVPool(KVCache):
     # --- SGLang's KVCache interface -------------------------------------------------------------------------------
     def get_kv_size_bytes(self):
         k = sum(t.numel() * t.element_size() for n, t in self.cache.fields.items() if n.startswith("k"))
-        v = sum(t.numel() * t.element_size() for n, t in self.cache.fields.items() if n.startswith("v"))
-        return k, v + (self.cache.nbytes - k - v)   # a record's padding (page size 1) counted with V
+        return k, self.cache.nbytes - k   # V's fields, and a record's padding at page size 1
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """The layer's compressed K field (``[pages, heads, page_size, ...]``; int8 for quantized

@@ -77,13 +77,7 @@ struct PrefillTraits {
   static constexpr int kBsRow = Layout::k_block_scale_bytes;
   static constexpr int kVRow = Layout::v_bytes;
   static constexpr int kVpRow = Layout::v_param_bytes;
-  // Their rows' strides in the cache (the row, or page size 1's record: Layout::kRecord).
-  static constexpr int kKStride = Layout::k_stride;
-  static constexpr int kK8Stride = Layout::k8_stride;
-  static constexpr int kBsStride = Layout::k_block_scale_stride;
-  static constexpr int kKsStride = Layout::k_scale_stride;
-  static constexpr int kVStride = Layout::v_stride;
-  static constexpr int kVpStride = Layout::v_param_stride;
+  // (Their rows' strides in the cache: Layout::<field>_stride, the row or page size 1's record.)
   static_assert(!Layout::kRecord || kPageSize == 1, "records are page size 1's layout (formats.Recipe.record)");
 
   // Tile images (global workspace and shared memory share the byte layout).
