@@ -57,8 +57,11 @@ bit-equal P, and keys with equal arguments in a row round together (tie groups, 
 rounding the other way moves all K twin rows, the request's rel-L2 by 2^-3 sqrt(K) F / ||o|| (KernelModel.flip_event)
 instead of being diluted by sqrt(rows). The odds are ~2^-18.5 per (twin class, head, tie group), but a
 request has 10^3-10^4 of those (every key of every head), so about one run in a hundred of a twin-heavy case sees one:
-the H200 did (qk4pv8-d128-p64-g4-full, Q spread 1e-4, 124 twin rows: 2.70e-3 against a bound of 2.31e-3). The request
-bound therefore grants one such event, and only as what it is (KernelModel.one_flip_removed): the single (head, key) whose moving
+the H200 did (qk4pv8-d128-p64-g4-full, Q spread 1e-4, 124 twin rows: 2.70e-3 against a bound of 2.31e-3, and still
+2.38e-3 with one event taken out: a second one). So on the GPU the model takes P from the GPU's own ex2.approx.ftz
+(mpfa.reference.prefill_kernel.hardware_exp2, checked below by test_model_exp2_is_the_gpus): its P bytes are then the
+kernel's and no such event remains. Without that (exact exp2: CPU, or no Triton) the request
+bound grants one such event, and only as what it is (KernelModel.one_flip_removed): the single (head, key) whose moving
 every row of the head's largest twin class by c v_j best explains the difference is taken out, c at most one E4M3 step
 of what that key carries (2^-3 flip_max), and the rest must meet the bound; a dropped key, a wrong mu_Q or an
 accumulation fault is not one key's step on twin rows and still fails. row_bound's flip term uses the tie groups and leaves out keys whose
@@ -333,6 +336,18 @@ def request_errors(o, qo, exact) -> float:
 
 
 @pytest.mark.parametrize("recipe", ["qk8pv8", "qk4pv8", "qk4pv4"])
+def test_model_exp2_is_the_gpus():
+    """The kernel model's P = 2^x on the GPU is ex2.approx.ftz (within 2 ulp of 2^x, and not correctly rounded
+    everywhere: a model that fell back to exact exp2 fails here)."""
+    from mpfa.reference.prefill_kernel import hardware_exp2
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.rand(1 << 20, generator=gen, device="cuda", dtype=torch.float32) * -30).double()
+    got, exact = hardware_exp2(x), torch.exp2(x)
+    assert ((got - exact).abs() / exact).max().item() <= 2 * 2.0 ** -23
+    assert (got != exact.float().double()).any(), "model's exp2 is correctly rounded: not the GPU's ex2.approx"
+    assert hardware_exp2(torch.tensor([-math.inf, 0.0], device="cuda", dtype=torch.float64)).tolist() == [0.0, 1.0]
+
+
 def test_compensation_helps_on_q_with_a_large_mean(recipe, paged_batch, large_mean_q, nan_blocks, shared_jit_cache):
     """Q with a large common mean in a few channels and a small spread: with Q smoothing and compensation the
     INT8 Q grid resolves the spread, without it the mean sets the step; the output error against exact must

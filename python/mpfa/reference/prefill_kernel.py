@@ -31,9 +31,13 @@ wrapper rotates it back, O = bf16(O_rot) H (one bf16 GEMM with fp32 accumulation
 The model computes ``o_rot`` as above and ``o = o_rot H`` in float64; the scales of the PV error (o_abs, o_abs_rest,
 flip_max) stay in the rotated space where the kernel accumulates (H is orthonormal: norms carry over).
 
+P itself is the kernel's: on a CUDA device the model takes P = 2^x with the kernel's own instruction
+(ex2.approx.ftz.f32, through Triton: :func:`hardware_exp2`), so P bytes round as the kernel's do. Elsewhere (CPU,
+or no Triton) exp2 is exact, within 2 ulp (2^-22 relative) of the kernel's, and a P byte then flips where P lies
+that close to an E4M3 rounding point.
+
 What it does not reproduce, and so what a comparison with the kernel must allow for (the test's bound):
-exp2 is exact here (the kernel's ex2.approx.ftz is within 2 ulp, 2^-22 relative, so a P byte flips only
-where P lies that close to an E4M3 rounding point); P V and l accumulate in float64 (the kernel: the FP8
+the running-maximum corrections' exp2 (exact here; they scale sums and round nothing to E4M3); P V and l accumulate in float64 (the kernel: the FP8
 MMA's reduced-precision accumulator within a tile, float32 across tiles); the output stays float64 (the
 kernel rounds it to bf16). Finite inputs only: non-finite ones have their own rules
 (:mod:`mpfa.reference.attention`) and their own tests.
@@ -252,8 +256,51 @@ def _softmax_weights(arg, visible, m_tile, kv_tile, p_round):
     frame = torch.exp2(m_ref - torch.where(torch.isneginf(m_final), torch.zeros_like(m_final),
                                            m_final).unsqueeze(-1))
     frame = _per_key(frame, kv_tile, arg.shape[-1])
-    p = torch.where(visible, _f32(torch.exp2(arg)), torch.zeros_like(arg))
+    p = torch.where(visible, hardware_exp2(arg), torch.zeros_like(arg))
     return p, p_round(p), frame, m_final
+
+
+_EX2_KERNEL = None
+
+
+def _ex2_kernel():
+    """A Triton kernel applying the prefill kernel's ex2.approx.ftz.f32 (mpfa/common.cuh ex2) elementwise, or
+    None where Triton is not importable."""
+    global _EX2_KERNEL
+    if _EX2_KERNEL is None:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _EX2_KERNEL = False
+            return None
+
+        @triton.jit
+        def ex2(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            tl.store(y_ptr + offs, y, mask=mask)
+
+        _EX2_KERNEL = ex2
+    return _EX2_KERNEL or None
+
+
+def hardware_exp2(x: torch.Tensor) -> torch.Tensor:
+    """2^x of float32 values ``x`` (kept in float64) as the kernel computes them: on a CUDA device the GPU's
+    ex2.approx.ftz.f32 (what the kernel runs: within 2 ulp of 2^x, its own rounding), elsewhere exact 2^x rounded
+    to float32. Returned as float64."""
+    kernel = _ex2_kernel() if x.is_cuda else None
+    if kernel is None:
+        return _f32(torch.exp2(x))
+    xf = x.to(_F32).contiguous()
+    y = torch.empty_like(xf)
+    n = xf.numel()
+    if n:
+        kernel[(-(-n // 1024),)](xf, y, n, BLOCK=1024)
+    return y.to(_F64)
 
 
 def _raw_tile_args(s_int, visible, a_t, log2_p, kv_tile):
