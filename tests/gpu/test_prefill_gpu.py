@@ -69,6 +69,7 @@ P is exactly p_scale (exact exp2 of 8), as it does the row's largest. (benchmark
 """
 import itertools
 import math
+import os
 import zlib
 
 import pytest
@@ -194,6 +195,11 @@ def _check(o, lse, qo, refs, recipe, q, label, sm_scale=None):
             event = f"; after taking out {event}"
         # what one P byte rounding the other way in every twin row could move, said so that an excess reads as such
         flip = 2.0 ** -3 * model.flip_event(rows) / model.o[rows].norm().item()
+        if direct > bound and os.environ.get("MPFA_GPU_TEST_DUMP"):   # the tensors of a failure, for a study off the GPU
+            torch.save({"o": o[rows].cpu(), "model_o": model.o[rows].cpu(), "o_abs": model.o_abs[rows].cpu(),
+                        "twins": model.twins[rows].cpu(), "flip_max": model.flip_max[rows].cpu(), "v": values[b].cpu(),
+                        "q": q[rows].cpu(), "o_recipe": o_r.cpu(), "o_exact": o_x.cpu()},
+                       os.path.join(os.environ["MPFA_GPU_TEST_DUMP"], f"{label}-request{b}.pt".replace(" ", "_")))
         assert direct <= bound, (f"{label} request {b}: rel-L2 to the kernel model {direct:.2e} > bound {bound:.2e} "
                                  f"({direct / bound:.1f}x{event}; recipe_attention is {_rel_l2(o[rows], o_r):.2e} away; "
                                  f"{int(model.twins[rows].max())} twin rows, one correlated P flip moves up to {flip:.2e})")
