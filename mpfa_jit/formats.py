@@ -106,42 +106,6 @@ class Recipe:
         """Bytes of K and V (values and their per-token scales) that one token of one KV head stores."""
         return sum(f.numel(head_dim) * f.itemsize() for f in self.fields)
 
-    def record(self, head_dim: int, page_size: int) -> "Record | None":
-        """The one-record-per-(token, KV head) layout of this recipe's cache at ``page_size``, or None where its
-        fields are separate arrays. Page size 1 of the quantized recipes is a record: there a page of one head is
-        one token, and separate arrays would read each 4-byte scale with a 32-byte sector of its own (qk4pv8 d128:
-        10 sectors for 232 bytes, 8 as a record). bf16's two rows are whole sectors already and stay arrays."""
-        if page_size != 1 or not self.quantized_k:
-            return None
-        rows = [(f.name, f.numel(head_dim) * f.itemsize()) for f in self.fields]
-        # the 16-byte multiples first (their cp.async pieces need 16-byte sources), then the rest in table order
-        order = [r for r in rows if r[1] % RECORD_ALIGN == 0] + [r for r in rows if r[1] % RECORD_ALIGN]
-        offsets, at = {}, 0
-        for name, n in order:
-            align = min(n & -n, RECORD_ALIGN)   # a field's copies are its size (up to 16 bytes): aligned to it
-            at = -(-at // align) * align
-            offsets[name] = at
-            at += n
-        return Record(offsets=offsets, nbytes=-(-at // RECORD_ALIGN) * RECORD_ALIGN)
-
-    def slot_bytes(self, head_dim: int, page_size: int) -> int:
-        """Bytes one token of one KV head takes in the pool at ``page_size``: the fields, or the padded record."""
-        rec = self.record(head_dim, page_size)
-        return rec.nbytes if rec else self.bytes_per_token_head(head_dim)
-
-
-# A record's size and its 16-byte fields' offsets are multiples of this: cp.async copies 16-byte pieces.
-RECORD_ALIGN = 16
-
-
-@dataclass(frozen=True)
-class Record:
-    """A token's fields of one KV head stored together: ``offsets`` (field name -> byte offset within the record)
-    and ``nbytes`` (the record's size, padded to RECORD_ALIGN). Field f of (page, head) lies at
-    ``base + ((page * num_kv_heads + head) * nbytes + offsets[f])``."""
-    offsets: dict
-    nbytes: int
-
 
 RECIPES = {
     "bf16": Recipe("bf16", "bf16", "bf16", "bf16",

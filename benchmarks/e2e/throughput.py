@@ -71,11 +71,10 @@ from mpfa_jit.ops.decode import RECIPES
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"llama-3.1-8b": REPO / "server_configs/models/llama-3.1-8b",
           "qwen3-14b": REPO / "server_configs/models/qwen3-14b"}
-PAGE_SIZE = 16                   # every configuration's --page-size
-# a pool slot's bytes per token and KV head at head_dim 128 and PAGE_SIZE (mpfa: Recipe.slot_bytes)
 BYTES_PER_TOKEN_HEAD_D128 = {"sglang-fa3-bf16": 512, "sglang-fa3-fp8kv": 256, "flashinfer-bf16": 512, "flashinfer-fp8": 256,
-                             **{f"mpfa-{r}": get_recipe(r).slot_bytes(128, PAGE_SIZE) for r in RECIPES}}
+                             **{f"mpfa-{r}": get_recipe(r).bytes_per_token_head(128) for r in RECIPES}}
 PORT = 30611
+PAGE_SIZE = 16                   # every configuration's --page-size
 WORKLOADS = ("fixed", "mixed")   # --workload: every prompt --input-len tokens, or MIXED_LENGTHS
 PROBE_MIN_OUTPUT = 128           # tokens the concurrency-1 probe generates at least: its ITL averages this many gaps
 PROG = "python -m benchmarks.e2e.throughput"

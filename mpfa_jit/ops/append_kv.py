@@ -38,7 +38,7 @@ def spec(*, recipe: str, head_dim: int, page_size: int, arch: str) -> KernelSpec
     check("KV append", dict(recipe=recipe, head_dim=head_dim, page_size=page_size),
           dict(recipe=RECIPES, head_dim=HEAD_DIMS, page_size=PAGE_SIZES))
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size},
-                           arch, symbols=(SYMBOL, PARAMS_LAYOUT_SYMBOL), context=layout_context(recipe, head_dim, page_size))
+                           arch, symbols=(SYMBOL, PARAMS_LAYOUT_SYMBOL), context=layout_context(recipe, head_dim))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,

@@ -48,7 +48,7 @@ def spec(*, recipe: str, head_dim: int, page_size: int, group_size: int, arch: s
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size,
                                           "group_size": group_size}, arch,
                            symbols=(SYMBOL, PARAMS_LAYOUT_SYMBOL, SMEM_SYMBOL, RESIDENT_SYMBOL),
-                           context=dict(layout_context(recipe, head_dim, page_size), warps=WARPS))
+                           context=dict(layout_context(recipe, head_dim), warps=WARPS))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,

@@ -1,7 +1,6 @@
 """The cache layout a kernel specialization compiles against, from the one definition of it: the Field
-table in ``mpfa_jit.formats`` (and ``Recipe.record``, page size 1's one record per token and head). Every kernel
-template renders the table's row widths and the record's size as the arguments of ``mpfa::CacheLayout``
-(templates/cache_layout_check.jinja), so C++ holds the field names and no arithmetic."""
+table in ``mpfa_jit.formats``. Every kernel template renders the table's row widths as the arguments of
+``mpfa::CacheLayout`` (templates/cache_layout_check.jinja), so C++ holds the field names and no arithmetic."""
 from __future__ import annotations
 
 from ..formats import get_recipe
@@ -32,15 +31,6 @@ def recipe_enum(recipe: str) -> str:
     return "k" + recipe[:1].upper() + recipe[1:]
 
 
-def record_bytes(recipe: str, head_dim: int, page_size: int) -> int:
-    """``mpfa::CacheLayout``'s RecordBytes: the record's size where ``recipe`` stores one record per (token, KV head)
-    at ``page_size`` (``Recipe.record``: every field's row then follows the last one's at this stride), 0 where its
-    fields are separate arrays."""
-    rec = get_recipe(recipe).record(head_dim, page_size)
-    return rec.nbytes if rec else 0
-
-
-def layout_context(recipe: str, head_dim: int, page_size: int) -> dict:
+def layout_context(recipe: str, head_dim: int) -> dict:
     """The render context every kernel template's cache layout needs."""
-    return {"layout_args": layout_args(recipe, head_dim) + (record_bytes(recipe, head_dim, page_size),),
-            "layout_names": LAYOUT_FIELDS, "recipe_enum": recipe_enum(recipe)}
+    return {"layout_args": layout_args(recipe, head_dim), "layout_names": LAYOUT_FIELDS, "recipe_enum": recipe_enum(recipe)}

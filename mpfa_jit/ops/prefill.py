@@ -109,10 +109,10 @@ def p_scale(knobs: dict) -> float:
     return P_SCALE_POW2 if knobs["tile_scale"] else P_SCALE
 
 
-def render_context(recipe: str, head_dim: int, page_size: int, knobs: dict) -> dict:
+def render_context(recipe: str, head_dim: int, knobs: dict) -> dict:
     """What the template renders besides the key: the cache layout check, the tile sizes above and P's scale."""
     img = image_bytes(recipe, head_dim)
-    return dict(layout_context(recipe, head_dim, page_size), q_tile=CTA_ROWS, q_scale_rows=Q_TILE, kv_tile=KV_TILE,
+    return dict(layout_context(recipe, head_dim), q_tile=CTA_ROWS, q_scale_rows=Q_TILE, kv_tile=KV_TILE,
                 mu_rows=MU_ROWS, k_image_bytes=img["k"], v_image_bytes=img["v"], fa_bytes=img["fa"],
                 log2_p_scale=repr(math.log2(p_scale(knobs))), comp_digits=COMP_DIGITS,
                 comp_scale_divisor=repr(COMP_SCALE_DIVISOR))
@@ -128,7 +128,7 @@ def spec(*, recipe: str, head_dim: int, page_size: int, arch: str, group_size: i
     knobs = build_knobs(recipe, knobs)
     return KernelSpec.make(OP, TEMPLATE, {"recipe": recipe, "head_dim": head_dim, "page_size": page_size, **knobs},
                            arch, symbols=(SYMBOL, SMEM_SYMBOL, PARAMS_LAYOUT_SYMBOL),
-                           context=render_context(recipe, head_dim, page_size, knobs))
+                           context=render_context(recipe, head_dim, knobs))
 
 
 def server_specs(*, num_qo_heads: int, num_kv_heads: int, head_dim: int, recipe: str, page_size: int,

@@ -134,10 +134,6 @@ class PagedKVCache:
     >>> cache = PagedKVCache("qk4pv8", num_layers=32, num_pages=4096, page_size=16, num_kv_heads=8, head_dim=128)
     >>> cache.bytes_per_token_head   # 64 (INT8 half of K) + 32 (INT4 half) + 4 (block scales) + 4 (token scale) + 128 (FP8 V)
     232
-
-    ``fields`` holds each field as ``[num_layers, num_pages, num_kv_heads, page_size, ...]``; at page size 1 the
-    quantized recipes keep one record per (token, KV head), the fields strided views into it (``record``,
-    mpfa_jit.formats.Recipe.record; ``slot_bytes``: 240 for qk4pv8 at head_dim 128, the record padded to 16 bytes).
     """
 
     def __init__(self, recipe: "str | Recipe" = "qk4pv8", *, num_layers: int, num_pages: int, page_size: int,
@@ -153,22 +149,11 @@ class PagedKVCache:
         self.device = _check_device(device)
         self._check_fits()
         lead = (num_layers, num_pages, num_kv_heads, page_size)
-        # page size 1 of the quantized recipes: one record per (token, head), each field a strided view into it
-        self.record = self.recipe.record(head_dim, page_size)
-        self._records = (torch.zeros(lead + (self.record.nbytes,), dtype=torch.uint8, device=self.device)
-                         if self.record else None)
         self.fields = {}
         for f in self.recipe.fields:
             n = f.numel(head_dim)
-            if self.record:
-                at = self.record.offsets[f.name] // f.itemsize()
-                t = self._records.view(_DTYPES[f.dtype])[..., at:at + n]
-                # a one-element field drops the page's token axis (size 1) rather than its own, so that its last
-                # stride stays 1 (views as another dtype, .view(torch.uint8), keep working)
-                self.fields[f.name] = t[..., 0, :] if f.per_row == "1" else t
-            else:
-                shape = lead if f.per_row == "1" else lead + (n,)
-                self.fields[f.name] = torch.zeros(shape, dtype=_DTYPES[f.dtype], device=self.device)
+            shape = lead if f.per_row == "1" else lead + (n,)
+            self.fields[f.name] = torch.zeros(shape, dtype=_DTYPES[f.dtype], device=self.device)
         hd = (num_layers, num_kv_heads, head_dim)
         self.mu_k = torch.zeros(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_k else None
         self.v_scale = torch.ones(hd, dtype=torch.float32, device=self.device) if self.recipe.quantized_v else None
@@ -182,7 +167,7 @@ class PagedKVCache:
     def _check_fits(self) -> None:
         """Refuse, before allocating, a cache larger than the device can hold (torch's own failure names neither
         the argument nor the size, and a CPU allocation may succeed lazily and fail later as it is zeroed)."""
-        per_slot = self.slot_bytes
+        per_slot = self.bytes_per_token_head
         scales = 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4   # mu_k, v_scale (float32)
         need = self.num_layers * self.num_pages * self.page_size * self.num_kv_heads * per_slot + scales
         have = _device_capacity(self.device)
@@ -202,20 +187,7 @@ class PagedKVCache:
         return self.recipe.bytes_per_token_head(self.head_dim)
 
     @property
-    def records(self) -> "torch.Tensor | None":
-        """Page size 1 of a quantized recipe: the records every field views, uint8 ``[num_layers, num_pages,
-        num_kv_heads, 1, record.nbytes]`` (padding included); None where the fields are separate arrays."""
-        return self._records
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes one token of one KV head takes here: bytes_per_token_head, or page size 1's padded record."""
-        return self.recipe.slot_bytes(self.head_dim, self.page_size)
-
-    @property
     def nbytes(self) -> int:
-        if self._records is not None:
-            return self._records.numel()
         return sum(t.numel() * t.element_size() for t in self.fields.values())
 
     def layer(self, index: int) -> KVCacheLayer:

@@ -54,14 +54,12 @@ def test_templates_are_found_as_installed():
 def test_render_substitutes_parameters_and_rejects_missing_ones():
     src = _spec("qk4pv8", 64, 32).render()
     assert "constexpr int kHeadDim = 64;" in src and "constexpr int kPageSize = 32;" in src
-    # the cache row from the Field table: k, k8, k_block_scale, k_scale, v, v_param bytes (d64: 16, 32, 4, 4, 64, 0),
-    # then the record's size (0: separate arrays; page size 1 of a quantized recipe: 120 B padded to 128)
+    # the cache row from the Field table: k, k8, k_block_scale, k_scale, v, v_param bytes (d64: 16, 32, 4, 4, 64, 0)
     assert "kRecipe = mpfa::Recipe::kQk4pv8;" in src
-    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 16, 32, 4, 4, 64, 0, 0>" in src
-    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 16, 32, 4, 4, 64, 0, 128>" in _spec("qk4pv8", 64, 1).render()
+    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 16, 32, 4, 4, 64, 0>" in src
     bf16 = _spec("bf16", 128, 1).render()
     assert "kRecipe = mpfa::Recipe::kBf16;" in bf16
-    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 256, 0, 0, 0, 256, 0, 0>" in bf16
+    assert "mpfa::CacheLayout<kRecipe, kHeadDim, 256, 0, 0, 0, 256, 0>" in bf16
     with pytest.raises(jinja2.UndefinedError):
         render("append_kv.cu.jinja", {"recipe": "qk4pv8", "arch": ARCH})
 

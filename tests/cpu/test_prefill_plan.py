@@ -87,9 +87,8 @@ def test_render_substitutes_parameters():
     src = prefill_op.spec(recipe="qk8pv8", head_dim=64, page_size=32, arch=ARCH).render()
     assert "mpfa::Recipe::kQk8pv8;" in src and "constexpr int kPageSize = 32;" in src
     assert "constexpr int kHeadDim = 64;" in src
-    # the cache row's widths from the Field table: k, k8, k_block_scale, k_scale, v, v_param; then the record's size
-    # (page size 1 of the quantized recipes: mpfa_jit.formats Recipe.record), else 0
-    assert "using Layout = mpfa::CacheLayout<kRecipe, kHeadDim, 64, 0, 0, 4, 64, 0, 0>;" in src
+    # the cache row's widths from the Field table: k, k8, k_block_scale, k_scale, v, v_param
+    assert "using Layout = mpfa::CacheLayout<kRecipe, kHeadDim, 64, 0, 0, 4, 64, 0>;" in src
 
 
 def test_tile_schedule_covers_every_row_once_longest_first():

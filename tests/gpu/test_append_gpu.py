@@ -23,8 +23,6 @@ def _seed(*key) -> int:
 
 
 def _poison(cache):
-    if cache.records is not None:   # page size 1: the records' padding too
-        cache.records.fill_(POISON_BYTE)
     for t in cache.fields.values():
         if t.dtype == torch.float32:
             t.fill_(float("nan"))
@@ -79,12 +77,6 @@ def test_append_matches_reference(recipe, head_dim, page_size, shared_jit_cache,
                 assert torch.isnan(rest).all(), f"{name}: a slot that was not appended was written"
             else:
                 assert (rest.view(torch.uint8) == POISON_BYTE).all(), f"{name}: a slot that was not appended was written"
-    if cache.records is not None:   # no byte of a record outside its fields is ever written
-        used = torch.zeros(cache.record.nbytes, dtype=torch.bool)
-        for f in cache.recipe.fields:
-            at = cache.record.offsets[f.name]
-            used[at:at + f.numel(head_dim) * f.itemsize()] = True
-        assert (cache.records[..., ~used.cuda()] == POISON_BYTE).all(), "the kernel wrote into a record's padding"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -7,7 +7,7 @@ SGLang's ``load_plugins()`` runs ``register()`` in the launcher and in every sch
 2. registers the backend factory (``attention_registry.register_attention_backend("mpfa")``),
 3. hooks the KV pool (``HookRegistry``, AROUND): ``KVCacheConfigurator._build_mha_kv_pool`` builds
    :class:`mpfa.sglang.pool.MpfaTokenToKVPool` and ``DefaultPoolConfigurator._compute_cell_size``
-   returns mpfa's bytes per token (num_kv_heads * recipe.slot_bytes(head_dim, page_size) per layer),
+   returns mpfa's bytes per token (num_kv_heads * recipe.bytes_per_token_head(head_dim) per layer),
    so ``max_total_num_tokens`` counts the smaller cells. Both hooks pass through untouched unless the
    server's attention backend is mpfa.
 4. hooks two steps of ``ServerArgs.__post_init__`` (AROUND, ``SERVER_ARGS_HOOK_TARGETS``) so that the plain

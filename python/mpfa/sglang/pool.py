@@ -1,6 +1,5 @@
 """The KV pool SGLang holds when ``--attention-backend mpfa`` is selected: one :class:`mpfa.PagedKVCache`
-in the recipe's compressed format (``recipe.slot_bytes(head_dim, page_size)`` bytes per token and KV head: the
-fields' bytes, or page size 1's padded record),
+in the recipe's compressed format (``recipe.bytes_per_token_head(head_dim)`` bytes per token and KV head),
 built by the plugin's hook on ``KVCacheConfigurator._build_mha_kv_pool``.
 
 Slot ``s`` of SGLang's allocator is token ``s % page_size`` of page ``s // page_size``; the pool has
@@ -90,7 +89,8 @@ class MpfaTokenToKVPool(KVCache):
     # --- SGLang's KVCache interface -------------------------------------------------------------------------------
     def get_kv_size_bytes(self):
         k = sum(t.numel() * t.element_size() for n, t in self.cache.fields.items() if n.startswith("k"))
-        return k, self.cache.nbytes - k   # V's fields, and a record's padding at page size 1
+        v = sum(t.numel() * t.element_size() for n, t in self.cache.fields.items() if n.startswith("v"))
+        return k, v
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """The layer's compressed K field (``[pages, heads, page_size, ...]``; int8 for quantized

@@ -97,9 +97,8 @@ class MpfaSettings:
         return get_recipe(self.recipe)
 
     def bytes_per_token_layer(self, num_kv_heads: int, head_dim: int) -> int:
-        """KV-cache bytes one token of one layer takes in the pool: num_kv_heads * recipe.slot_bytes(head_dim,
-        page_size) (the recipe's bytes per token and head, or page size 1's padded record)."""
-        return num_kv_heads * self.recipe_obj.slot_bytes(head_dim, self.page_size)
+        """KV-cache bytes one token of one layer stores: num_kv_heads * recipe.bytes_per_token_head(head_dim)."""
+        return num_kv_heads * self.recipe_obj.bytes_per_token_head(head_dim)
 
 
 def parse_bool(name: str, value) -> bool:

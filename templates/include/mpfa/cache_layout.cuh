@@ -4,10 +4,7 @@
 // arguments of CacheLayout; this header keeps the field names, their order and what each recipe stores.
 //
 // Every per-token field is [num_pages, num_kv_heads, page_size, row] ("HND" pages: one page of one
-// head is one contiguous run); slot s is token s % page_size of page s / page_size. Where RecordBytes is not 0
-// (page size 1 of the quantized recipes: formats.Recipe.record), a (token, head)'s fields are one record of that
-// many bytes, each field at its offset within it: row r of every field is at field base + r * RecordBytes, the
-// field bases (the kernels' pointers) being the offsets into one buffer. A field's row stride is `<field>_stride`.
+// head is one contiguous run); slot s is token s % page_size of page s / page_size.
 #pragma once
 
 namespace mpfa {
@@ -43,7 +40,7 @@ struct RecipeTraits {
 //     kV4's 4-bit codes, two a byte (channel 2i in the low nibble of byte i);
 //   v_param: kV4's fp16 [scale, zero] of each group of 32 channels (halves 2g, 2g + 1).
 template <Recipe R, int HeadDim, int KBytes, int K8Bytes, int KBlockScaleBytes, int KScaleBytes, int VBytes,
-          int VParamBytes, int RecordBytes>
+          int VParamBytes>
 struct CacheLayout : RecipeTraits<R> {
   using Traits = RecipeTraits<R>;
   static constexpr int kHeadDim = HeadDim;
@@ -57,18 +54,6 @@ struct CacheLayout : RecipeTraits<R> {
   static constexpr int kV4Group = 32;
   // What one token of one KV head stores in all: recipe.bytes_per_token_head(head_dim).
   static constexpr int kRowBytes = k_bytes + k8_bytes + k_block_scale_bytes + k_scale_bytes + v_bytes + v_param_bytes;
-  // One record per (token, head) (0: separate arrays), and each field's row stride.
-  static constexpr int kRecordBytes = RecordBytes;
-  static constexpr bool kRecord = RecordBytes > 0;
-  static constexpr int stride(int row_bytes) { return kRecord ? RecordBytes : row_bytes; }
-  static constexpr int k_stride = stride(k_bytes);
-  static constexpr int k8_stride = stride(k8_bytes);
-  static constexpr int k_block_scale_stride = stride(k_block_scale_bytes);
-  static constexpr int k_scale_stride = stride(k_scale_bytes);
-  static constexpr int v_stride = stride(v_bytes);
-  static constexpr int v_param_stride = stride(v_param_bytes);
-  static_assert(!kRecord || (RecordBytes % 16 == 0 && RecordBytes >= kRowBytes && Traits::kQuantK),
-                "a record holds every field, in whole 16-byte pieces (formats.RECORD_ALIGN); bf16 has none");
   // The kernels' reads assume these of a recipe's fields.
   static_assert(k_bytes > 0 && v_bytes > 0, "every recipe stores K and V");
   static_assert((k_scale_bytes == sizeof(float)) == Traits::kQuantK, "quantized K has one FP32 scale per row");

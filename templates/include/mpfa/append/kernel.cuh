@@ -78,11 +78,11 @@ append_kv_kernel(const AppendParams p) {
     const bool write = uint64_t(slot) < uint64_t(p.num_slots);   // uniform across the row group
     const int64_t row = cache_row<PageSize>(slot, p.num_kv_heads, h);   // this (token, head) row of each field
     if constexpr (!L::kQuantK) {
-      if (write) store_bf16<L::k_stride>(p.k_data, row, me.c0, kr);
+      if (write) store_bf16<L::k_bytes>(p.k_data, row, me.c0, kr);
     }
     // V is stored before K is quantized, so V's registers are free again for K's quantizer.
     if constexpr (!L::kQuantV) {
-      if (write) store_bf16<L::v_stride>(p.v_data, row, me.c0, vr);
+      if (write) store_bf16<L::v_bytes>(p.v_data, row, me.c0, vr);
     } else if constexpr (L::kV4) {
       store_v_u4h<S, L>(p, uint64_t(v_slot) < uint64_t(p.num_slots), cache_row<PageSize>(v_slot, p.num_kv_heads, h),
                         me, vr);
@@ -104,7 +104,6 @@ append_kv_kernel(const AppendParams p) {
 
 template <class L, int PageSize>
 inline cudaError_t launch(const AppendParams& p, int device, cudaStream_t stream) {
-  static_assert(!L::kRecord || PageSize == 1, "records are page size 1's layout (formats.Recipe.record)");
   cudaError_t err = set_device(device);
   if (err != cudaSuccess) return err;
   if (p.num_tokens == 0) return cudaSuccess;

@@ -19,13 +19,10 @@
 
 namespace mpfa::append {
 
-// Byte `offset` of row `row` of a cache field whose rows are `row_stride` apart (Layout::<field>_stride: the row's
-// bytes, or the record's at page size 1).
+// Byte `offset` of row `row` of a cache field whose rows are `row_bytes` long.
 template <class T>
-__device__ __forceinline__ T* field_at(void* base, int64_t row, int row_stride, int offset) {
-  // the offset (>= 0) zero-extended: a record's six fields would otherwise keep six sign extensions live,
-  // which spilled qk4pv4's append at page size 1 (its 64-register cap)
-  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + row * row_stride + uint32_t(offset));
+__device__ __forceinline__ T* field_at(void* base, int64_t row, int row_bytes, int offset) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + row * row_bytes + offset);
 }
 
 // The thread's fixed per-channel constants of its head: mu_K (quantized K) and 1 / v_scale (E4M3 V; kV4's
@@ -74,9 +71,9 @@ struct ChannelConstants {
 };
 
 // Unquantized (bf16) field: the 16 loaded bytes as they are.
-template <int RowStride>
+template <int RowBytes>
 __device__ __forceinline__ void store_bf16(void* field, int64_t row, int c0, uint4 x) {
-  *field_at<uint4>(field, row, RowStride, 2 * c0) = x;
+  *field_at<uint4>(field, row, RowBytes, 2 * c0) = x;
 }
 
 // FP8 V with a fixed per-(layer, head, channel) scale, applied to the output after the PV MMA.
@@ -90,7 +87,7 @@ __device__ __forceinline__ void store_v_e4m3(void* v_data, int64_t row, int c0, 
     const float2 vf = __bfloat1622float2(infinities_to_nan(vp[i]));
     o16[i] = to_e4m3x2(vf.x * inv_vs[2 * i], vf.y * inv_vs[2 * i + 1]);
   }
-  *field_at<uint2>(v_data, row, L::v_stride, c0) = out;
+  *field_at<uint2>(v_data, row, L::v_bytes, c0) = out;
 }
 
 // kV4's V (qk4pv4, recipes/u4h.py quantize_u4h): the row rotated by the orthonormal Hadamard matrix, r = V H,
@@ -174,9 +171,9 @@ __device__ __forceinline__ void store_v_u4h(const AppendParams& p, bool write, i
     packed |= (__float_as_uint(__fadd_rn(y, kRoundMagic)) & 0xFu) << (4 * i);   // channel 2i low nibble of byte i
   }
   if (write) {
-    *field_at<uint32_t>(p.v_data, row, L::v_stride, me.v_c0 / 2) = packed;
+    *field_at<uint32_t>(p.v_data, row, L::v_bytes, me.v_c0 / 2) = packed;
     if (lane_in_row % kGroupLanes == 0)
-      *field_at<uint32_t>(p.v_param, row, L::v_param_stride, 4 * (me.v_c0 / L::kV4Group)) =
+      *field_at<uint32_t>(p.v_param, row, L::v_param_bytes, 4 * (me.v_c0 / L::kV4Group)) =
           uint32_t(__half_as_ushort(scale)) | uint32_t(__half_as_ushort(zero)) << 16;
   }
 }
@@ -211,8 +208,8 @@ __device__ __forceinline__ void store_k_int8(const AppendParams& p, bool write, 
     float y[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(k[i], inv);
-    *field_at<uint2>(p.k_data, row, L::k_stride, me.c0) = pack_s8x8(y);
-    if (me.group_lane == 0) *field_at<float>(p.k_scale, row, L::k_scale_stride, 0) = ks;
+    *field_at<uint2>(p.k_data, row, L::k_bytes, me.c0) = pack_s8x8(y);
+    if (me.group_lane == 0) *field_at<float>(p.k_scale, row, L::k_scale_bytes, 0) = ks;
   }
 }
 
@@ -252,7 +249,7 @@ __device__ __forceinline__ void store_k_i4rs(const AppendParams& p, bool write, 
   for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(k[i], inv);
   const int idx = split_k_index<D>(me.c0);   // position within its half's field
   if (me.half == 1) {                     // = split_k_low<D>(c0), uniform per warp
-    if (write) *field_at<uint2>(p.k8_data, row, L::k8_stride, idx) = pack_s8x8(y);
+    if (write) *field_at<uint2>(p.k8_data, row, L::k8_bytes, idx) = pack_s8x8(y);
   } else {
     float a = 0.f;
 #pragma unroll
@@ -275,17 +272,17 @@ __device__ __forceinline__ void store_k_i4rs(const AppendParams& p, bool write, 
       packed |= (__float_as_uint(__fadd_rn(q, kRoundMagic)) & 0xFu) << (4 * i);   // q's 4-bit two's complement
     }
     if (write) {
-      *field_at<uint32_t>(p.k_data, row, L::k_stride, idx / 2) = packed;   // 2 channels a byte
+      *field_at<uint32_t>(p.k_data, row, L::k_bytes, idx / 2) = packed;   // 2 channels a byte
       constexpr int kScales = D / 32;   // in use; the field is padded to L::k_block_scale_bytes
       if (idx % 16 == 0)
-        *field_at<uint8_t>(p.k_block_scale, row, L::k_block_scale_stride, idx / 16) = uint8_t(best_b);
+        *field_at<uint8_t>(p.k_block_scale, row, L::k_block_scale_bytes, idx / 16) = uint8_t(best_b);
       // the padding (head_dim 64: 2 scales in a 4-byte field) is written too: every byte of a slot is defined
 #pragma unroll
       for (int b = kScales; b < L::k_block_scale_bytes; ++b)
-        if (idx == 0) *field_at<uint8_t>(p.k_block_scale, row, L::k_block_scale_stride, b) = 0;
+        if (idx == 0) *field_at<uint8_t>(p.k_block_scale, row, L::k_block_scale_bytes, b) = 0;
     }
   }
-  if (write && me.group_lane == 0 && me.half == 0) *field_at<float>(p.k_scale, row, L::k_scale_stride, 0) = ts;
+  if (write && me.group_lane == 0 && me.half == 0) *field_at<float>(p.k_scale, row, L::k_scale_bytes, 0) = ts;
 }
 
 }  // namespace mpfa::append

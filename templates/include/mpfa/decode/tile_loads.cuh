@@ -2,8 +2,7 @@
 // pipeline): every field's rows of one KV head, tile by tile. Full tiles take FullTileCopier (per-thread
 // addressing computed once per CTA); a request's last tile takes load_partial_tile (bytes past the length
 // zero-filled). Both read the tile's page ids from the kernel's page-id ring: ph = page_id * num_kv_heads
-// + head, so the page's run of this head starts at field base + ph * page_size * row stride (the row's bytes, or
-// page size 1's record: Layout::<field>_stride).
+// + head, so the page's run of this head starts at field base + ph * page_size * row bytes.
 #pragma once
 #include <cstdint>
 #include "mpfa/decode/params.cuh"
@@ -13,17 +12,15 @@
 namespace {
 
 // Copies one field of a request's last kTile-token tile into shared memory, zero-filling bytes past
-// valid_tokens (full tiles take FullTileField below). R: bytes per row, S: the row stride in the cache; unit
-// U = 16 bytes, or a whole page's run when that is shorter (page size 1 with small rows: 4- or 8-byte copies).
+// valid_tokens (full tiles take FullTileField below). R: bytes per row; unit U = 16 bytes, or a
+// whole page's run when that is shorter (page size 1 with small rows: 4- or 8-byte copies).
 // ph[pit] = page_id * num_kv_heads + head of the tile's pit-th page, so the page's run of this head
-// starts at base + ph * page_size * S.
-template <class Cfg, int R, int S, bool kSwizzleK, bool kSwizzleV>
+// starts at base + ph * page_size * R.
+template <class Cfg, int R, bool kSwizzleK, bool kSwizzleV>
 __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* base, const uint32_t* ph,
                                            int valid_tokens) {
   using T = DecodeTraits<Cfg>;
   constexpr int kRun = T::kPageSize * R;
-  constexpr int64_t kPageStride = int64_t(T::kPageSize) * S;
-  static_assert(S == R || T::kPageSize == 1, "a row stride other than the row is page size 1's record");
   constexpr int U = kRun < 16 ? kRun : 16;
   constexpr int N = T::kTile * R / U;
 #pragma unroll
@@ -46,7 +43,7 @@ __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* bas
       const uint8_t* src = base + within;
       int nbytes = valid_tokens * R - o;
       nbytes = nbytes < 0 ? 0 : (nbytes > U ? U : nbytes);
-      if (nbytes > 0) src += uint64_t(ph[pit]) * kPageStride;
+      if (nbytes > 0) src += uint64_t(ph[pit]) * kRun;
       mpfa::cp_async<U>(dst_base + dst, src, nbytes);
     }
   }
@@ -58,15 +55,12 @@ __device__ __forceinline__ void load_field(uint32_t dst_base, const uint8_t* bas
 // and offset within its page run follow from piece 0's by compile-time steps; the swizzles repeat
 // every 2 (K) / 16 (V) rows, so (except bf16 d128 V) its shared destination does too. The per-thread
 // parts (source pointer within a run, ring slot, destination) are computed once per CTA, and a piece
-// costs one IMAD.WIDE (page id x page stride + source) and the LDGSTS. S: the row stride in the cache (R, or
-// page size 1's record).
-template <class Cfg, int R, int S, bool kSwizzleK, bool kSwizzleV, bool kOpaqueBase, bool kSpread = false>
+// costs one IMAD.WIDE (page id x run length + source) and the LDGSTS.
+template <class Cfg, int R, bool kSwizzleK, bool kSwizzleV, bool kOpaqueBase, bool kSpread = false>
 struct FullTileField {
   using T = DecodeTraits<Cfg>;
   static constexpr int kThreads = T::kThreads;
   static constexpr int kRun = T::kPageSize * R;
-  static constexpr int kPageStride = T::kPageSize * S;
-  static_assert(S == R || T::kPageSize == 1, "a row stride other than the row is page size 1's record");
   static constexpr int U = kRun < 16 ? kRun : 16;
   static constexpr int N = T::kTile * R / U;
   static constexpr int kPieces = (N + kThreads - 1) / kThreads;
@@ -126,7 +120,7 @@ struct FullTileField {
         const uint32_t dst = kSwizzleRepeats ? dst_field + dst0 + i * kStep
                                              : dst_field + dst_of(uint32_t(vthread()) * U + i * kStep);
         const int in_run = kRun > kStep ? (i * kStep) % kRun : 0;
-        mpfa::cp_async_full<U>(dst, src0 + uint64_t(ph[i]) * kPageStride + in_run);
+        mpfa::cp_async_full<U>(dst, src0 + uint64_t(ph[i]) * kRun + in_run);
       }
     }
   }
@@ -147,7 +141,6 @@ struct FullTileScales {
   static constexpr int kNBs = T::kTile * Layout::k_block_scale_bytes / 16, kNKs = T::kTile * Layout::k_scale_bytes / 16;
   static constexpr int kNVp = T::kTile * Layout::v_param_bytes / 16;
   static_assert(kNBs + kNKs + kNVp <= T::kThreads, "one piece per thread");
-  static_assert(!Layout::kRecord || !T::kMergedScales, "merged scales are pages >= 2's: records are page size 1's");
   uint4 d;       // {source lo, source hi, run length, ring slot << 16 | stage offset}
   uint32_t ph;
 
@@ -179,10 +172,9 @@ struct FullTileScales {
   }
 };
 
-// A field's row bytes (stride) as a copier's template argument: 4 where the recipe has no such field (its copier
+// A field's row bytes as a copier's template argument: 4 where the recipe has no such field (its copier
 // is built but never issues).
 constexpr int row_or_placeholder(int bytes) { return bytes > 0 ? bytes : 4; }
-constexpr int stride_or_placeholder(int bytes, int stride) { return bytes > 0 ? stride : 4; }
 
 // Every field's copier, built once per CTA. k8's base is rebuilt per piece (not opaque): registers.
 // bs, ks and vp are used at page size 1 only (FullTileScales otherwise).
@@ -190,17 +182,12 @@ template <class Cfg>
 struct FullTileCopier {
   using T = DecodeTraits<Cfg>;
   using Layout = typename T::Layout;
-  FullTileField<Cfg, Layout::k_bytes, Layout::k_stride, true, false, true> k;
-  FullTileField<Cfg, row_or_placeholder(Layout::k8_bytes), stride_or_placeholder(Layout::k8_bytes, Layout::k8_stride),
-                false, false, false> k8;
-  FullTileField<Cfg, row_or_placeholder(Layout::k_block_scale_bytes),
-                stride_or_placeholder(Layout::k_block_scale_bytes, Layout::k_block_scale_stride), false, false, false,
-                true> bs;
-  FullTileField<Cfg, row_or_placeholder(Layout::k_scale_bytes),
-                stride_or_placeholder(Layout::k_scale_bytes, Layout::k_scale_stride), false, false, false, true> ks;
-  FullTileField<Cfg, Layout::v_bytes, Layout::v_stride, false, true, true> v;
-  FullTileField<Cfg, row_or_placeholder(Layout::v_param_bytes),
-                stride_or_placeholder(Layout::v_param_bytes, Layout::v_param_stride), false, false, false, true> vp;
+  FullTileField<Cfg, Layout::k_bytes, true, false, true> k;
+  FullTileField<Cfg, row_or_placeholder(Layout::k8_bytes), false, false, false> k8;
+  FullTileField<Cfg, row_or_placeholder(Layout::k_block_scale_bytes), false, false, false, true> bs;
+  FullTileField<Cfg, row_or_placeholder(Layout::k_scale_bytes), false, false, false, true> ks;
+  FullTileField<Cfg, Layout::v_bytes, false, true, true> v;
+  FullTileField<Cfg, row_or_placeholder(Layout::v_param_bytes), false, false, false, true> vp;
   FullTileScales<Cfg> scales;
   uint8_t* smem;
   __device__ __forceinline__ FullTileCopier(const DecodeParams& p, uint8_t* smem_)
@@ -239,17 +226,16 @@ template <class Cfg>
 __device__ __forceinline__ void load_partial_tile(uint32_t st, const DecodeParams& p, const uint32_t* ph, int valid) {
   using T = DecodeTraits<Cfg>;
   using Layout = typename T::Layout;
-  load_field<Cfg, Layout::k_bytes, Layout::k_stride, true, false>(st + T::kOffK, p.k, ph, valid);
+  load_field<Cfg, Layout::k_bytes, true, false>(st + T::kOffK, p.k, ph, valid);
   if constexpr (Layout::k8_bytes > 0)
-    load_field<Cfg, Layout::k8_bytes, Layout::k8_stride, false, false>(st + T::kOffK8, p.k8, ph, valid);
+    load_field<Cfg, Layout::k8_bytes, false, false>(st + T::kOffK8, p.k8, ph, valid);
   if constexpr (Layout::k_block_scale_bytes > 0)
-    load_field<Cfg, Layout::k_block_scale_bytes, Layout::k_block_scale_stride, false, false>(st + T::kOffBs,
-                                                                                             p.k_block_scale, ph, valid);
+    load_field<Cfg, Layout::k_block_scale_bytes, false, false>(st + T::kOffBs, p.k_block_scale, ph, valid);
   if constexpr (Layout::k_scale_bytes > 0)
-    load_field<Cfg, Layout::k_scale_bytes, Layout::k_scale_stride, false, false>(st + T::kOffKs, p.k_scale, ph, valid);
-  load_field<Cfg, Layout::v_bytes, Layout::v_stride, false, true>(st + T::kOffV, p.v, ph, valid);
+    load_field<Cfg, Layout::k_scale_bytes, false, false>(st + T::kOffKs, p.k_scale, ph, valid);
+  load_field<Cfg, Layout::v_bytes, false, true>(st + T::kOffV, p.v, ph, valid);
   if constexpr (Layout::v_param_bytes > 0)
-    load_field<Cfg, Layout::v_param_bytes, Layout::v_param_stride, false, false>(st + T::kOffVp, p.v_param, ph, valid);
+    load_field<Cfg, Layout::v_param_bytes, false, false>(st + T::kOffVp, p.v_param, ph, valid);
 }
 
 }  // namespace

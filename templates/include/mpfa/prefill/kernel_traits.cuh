@@ -77,8 +77,6 @@ struct PrefillTraits {
   static constexpr int kBsRow = Layout::k_block_scale_bytes;
   static constexpr int kVRow = Layout::v_bytes;
   static constexpr int kVpRow = Layout::v_param_bytes;
-  // (Their rows' strides in the cache: Layout::<field>_stride, the row or page size 1's record.)
-  static_assert(!Layout::kRecord || kPageSize == 1, "records are page size 1's layout (formats.Recipe.record)");
 
   // Tile images (global workspace and shared memory share the byte layout).
   static constexpr int kImgK = kBN * kQKRow;

@@ -102,8 +102,8 @@ __device__ __forceinline__ void stage_v_u4h(const PrefillParams& p, int hk, int 
     uint32_t w[4] = {0u, 0u, 0u, 0u};
     if (key < valid) {
       const int64_t row = row_of(key);
-      const uint2 codes = *reinterpret_cast<const uint2*>(p.v + row * Kt::Layout::v_stride + 8 * c16);   // channel 2i: low nibble
-      const __half2 param = *reinterpret_cast<const __half2*>(p.v_param + row * Kt::Layout::v_param_stride +
+      const uint2 codes = *reinterpret_cast<const uint2*>(p.v + row * Kt::kVRow + 8 * c16);   // channel 2i: low nibble
+      const __half2 param = *reinterpret_cast<const __half2*>(p.v_param + row * Kt::kVpRow +
                                                               4 * (16 * c16 / Kt::Layout::kV4Group));
       const float scale = __low2float(param), zero = __high2float(param);
 #pragma unroll
@@ -157,12 +157,12 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
         // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
         const int idx = mpfa::split_k_index<Kt::kHeadDim>(16 * c16);   // within its half
         if (mpfa::split_k_low<Kt::kHeadDim>(16 * c16))
-          w = *reinterpret_cast<const uint4*>(p.k8 + row * Kt::Layout::k8_stride + idx);
+          w = *reinterpret_cast<const uint4*>(p.k8 + row * Kt::kK8Row + idx);
         else
-          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * Kt::Layout::k_stride + idx / 2),
-                             uint32_t(p.k_block_scale[row * Kt::Layout::k_block_scale_stride + idx / 16]));
+          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * Kt::kKRow + idx / 2),
+                             uint32_t(p.k_block_scale[row * Kt::kBsRow + idx / 16]));
       } else {
-        w = *reinterpret_cast<const uint4*>(p.k + row * Kt::Layout::k_stride + 16 * c16);
+        w = *reinterpret_cast<const uint4*>(p.k + row * Kt::kKRow + 16 * c16);
       }
     }
     *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
@@ -174,12 +174,11 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
     for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
       const int key = u / (Kt::kVRow / 16), c16 = u % (Kt::kVRow / 16);
       uint4 w = make_uint4(0u, 0u, 0u, 0u);
-      if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * Kt::Layout::v_stride + 16 * c16);
+      if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * Kt::kVRow + 16 * c16);
       *reinterpret_cast<uint4*>(st + kPackOffV + key * Kt::kVRow + 16 * c16) = w;
     }
   }
-  if (Kt::kQuant && tid < Kt::kPackKeys) ks[tid] = tid < valid ? *reinterpret_cast<const float*>(
-      reinterpret_cast<const uint8_t*>(p.k_scale) + row_of(tid) * Kt::Layout::k_scale_stride) : 0.f;
+  if (Kt::kQuant && tid < Kt::kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
   __syncthreads();
   // kTileScale: the staged INT8 rows requantized to the tile's largest token scale s_T, byte for byte as
   // python/mpfa/recipes/int8.py requantize_k_tile (rni(k * (s_j / s_T))); a non-finite key (NaN scale) makes
