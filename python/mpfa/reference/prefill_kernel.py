@@ -98,41 +98,6 @@ class KernelModel:
             return 0.0
         return (self.twins[rows].sqrt() * self.flip_max[rows]).max().item()
 
-    def one_flip_removed(self, o: torch.Tensor, rows, v: torch.Tensor) -> tuple[float, str]:
-        """rel-L2 of a kernel's output ``o`` (one request's ``rows``) to this model once the one correlated P
-        rounding event that best explains their difference is taken out: key j of head h moving every row of h's
-        largest twin class by c v_j, with |c| ||v_j|| <= 2^-3 flip_max * 1.1 (one E4M3 step of P_j is at most
-        2^-3 P_j, so c <= 2^-3 w_j; 10% for the accumulation around it). ``v``: the request's V ``[keys, KV heads,
-        D]`` in the model's space (qk4pv4's rotated back: a step in O_rot is the same step in O, H orthonormal).
-        Returns (rel-L2 left, what was taken out). The allowance of tests/gpu/test_prefill_gpu.py's "Correlated P
-        rounding"."""
-        ref, twins, flip_max = self.o[rows], self.twins[rows], self.flip_max[rows]
-        r = o.double() - ref
-        group = r.shape[1] // v.shape[1]
-        best = (0.0, None)
-        for h in range(r.shape[1]):
-            # twin rows have bit-equal P, hence equal model rows: a class is a set of equal rows of o among the
-            # twins (rows whose keys past the others' underflow to P = 0 have equal o too, but no shared P)
-            twin = (twins[:, h] > 1).nonzero().flatten()
-            if twin.numel() < 2:
-                continue
-            _, cls, counts = torch.unique(ref[twin, h], dim=0, return_inverse=True, return_counts=True)
-            members = twin[cls == counts.argmax()]
-            vj = v[:, h // group].double()
-            dots = vj @ r[members, h].mean(dim=0)
-            norms2 = (vj * vj).sum(dim=-1).clamp_min(1e-300)
-            c = dots / norms2
-            cap = 2.0 ** -3 * 1.1 * flip_max[members[0], h]
-            gain = torch.where(c.abs() * norms2.sqrt() <= cap, len(members) * dots * dots / norms2, torch.zeros_like(c))
-            j = int(gain.argmax())
-            if gain[j] > best[0]:
-                best = (gain[j].item(), (h, j, members, c[j].item()))
-        if best[1] is None:
-            return (r.norm() / ref.norm()).item(), "no single key's step on twin rows"
-        h, j, members, c = best[1]
-        r[members, h] -= c * v[j, h // group].double()
-        return (r.norm() / ref.norm()).item(), f"key {j} of head {h} on {len(members)} twin rows, c = {c:.2e}"
-
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     """Round to float32 (a value computed exactly in float64 -> one float32 rounding, as an FMA or an
