@@ -71,6 +71,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
@@ -436,7 +437,9 @@ def _write_table() -> None:
     p = Path(path)
     json_path, md_path = (p.with_suffix(".json"), p) if p.suffix == ".md" else (p, p.with_suffix(".md"))
     p.parent.mkdir(parents=True, exist_ok=True)
-    table = {"meta": _META, "summary": _summary(_ROWS), "rows": _ROWS}
+    from benchmarks import meta as bench_meta   # command, commit, GPU, driver, CUDA, torch, peers' versions
+    run = bench_meta.collect("MPFA_KIT_TABLE=" + path + " python -m pytest " + " ".join(sys.argv[1:]))
+    table = {"meta": {**run, **_META}, "summary": _summary(_ROWS), "rows": _ROWS}
     json_path.write_text(json.dumps(_jsonable(table), indent=1))
     md_path.write_text(markdown(_ROWS) + "\n")
 
