@@ -465,3 +465,52 @@ def test_hardware_exp2_off_the_gpu_is_exact_exp2_rounded_to_float32():
     got = hardware_exp2(x)
     assert got.dtype == torch.float64
     assert torch.equal(got, torch.exp2(x).float().double())
+
+
+@pytest.mark.parametrize("k", [32, 64, 128])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_tensor_core_pv_keeps_what_the_h200_kept(k, sign):
+    """The FP8 MMA rule the H200 showed (benchmarks/results/studies/fp8_accumulation_h200.json): one product 2^r
+    above the k - 1 others keeps them all at r <= 13 and loses them all at r >= 14, for k = 32, 64, 128 (the
+    accumulator, holding the big product, is aligned with the later k-steps' products) and either sign."""
+    from mpfa.reference.prefill_kernel import tensor_core_pv
+    for r, kept in ((13, True), (14, False)):
+        big = 16
+        p8 = torch.full((1, 1, k), 2.0 ** ((big - r) // 2), dtype=torch.float64)
+        v8 = torch.full((k, 1, 1), sign * 2.0 ** (big - r - (big - r) // 2), dtype=torch.float64)
+        p8[0, 0, 0], v8[0, 0, 0] = 2.0 ** 8, 2.0 ** (big - 8)
+        got = tensor_core_pv(p8, v8, 128).sum().item()
+        small = sign * (k - 1) * 2.0 ** (big - r)
+        assert got == 2.0 ** big + (small if kept else 0.0), (r, got)
+
+
+def test_tensor_core_pv_is_exact_where_products_are_close_and_short():
+    """Products of E4M3 values within 2^5 of each other have no bits below 2^-13 of their sum's k-step maximum:
+    the aligned sum is the exact one."""
+    from mpfa.reference.prefill_kernel import tensor_core_pv
+    gen = torch.Generator().manual_seed(3)
+    p8 = as_e4m3((torch.rand(2, 5, 300, generator=gen) * 128 + 128).to(torch.float8_e4m3fn)).double()
+    v8 = as_e4m3((torch.rand(300, 2, 16, generator=gen) * 64 + 64).to(torch.float8_e4m3fn)).double()
+    assert torch.equal(tensor_core_pv(p8, v8, 128).sum(0), torch.einsum("hqk,khd->hqd", p8, v8))
+
+
+def test_model_with_fp8_mma_loses_toward_zero_on_a_one_sign_channel():
+    """With the V scales given, a broad P over a one-sign V channel sums below the exact model (truncation toward
+    zero), by less than the aligned rule's worst case (each product < one ulp of 2^-13 of the k-step's maximum)."""
+    gen = torch.Generator().manual_seed(11)
+    n, heads, kv, d, m = 8, 2, 1, 64, 300
+    q = (torch.randn(n, heads, d, generator=gen) * 3).to(torch.bfloat16)
+    k_int = torch.randint(-127, 128, (m, kv, d), generator=gen, dtype=torch.int8)
+    k_scale = torch.rand(m, kv, generator=gen) * 0.02 + 0.01
+    v_scale = torch.rand(kv, d, generator=gen) * 0.5 + 0.5
+    v8 = as_e4m3((torch.randn(m, kv, d, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)).double()
+    v8[:, :, 3] = v8[:, :, 3].abs() + 256.0                                  # the one-sign channel
+    v8 = as_e4m3(v8.to(torch.float8_e4m3fn)).double()
+    v = v8 * v_scale.double()
+    kw = dict(recipe="qk8pv8", causal=False, compensation=False)
+    exact = prefill_kernel_attention(q, (k_int, k_scale), v, **kw)
+    tc = prefill_kernel_attention(q, (k_int, k_scale), v, v_scale=v_scale, **kw)
+    diff = tc.o - exact.o
+    assert (diff[..., 3] <= 0).all() and (diff[..., 3] < 0).any()
+    tiles = -(-m // 128)
+    assert (diff.abs() <= 4 * tiles * 32 * 2.0 ** -13 * exact.o_abs + 1e-12).all()

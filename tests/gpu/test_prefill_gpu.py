@@ -15,10 +15,13 @@ Tolerances:
   not follow the kernel's rounding, which bounds the difference from the accumulation order alone:
   - the bf16 output: |bf16(x) - x| <= 2^-8 |x| per element (8 significant bits), rel-L2 err_out =
     rel-L2(bf16(o_model), o_model) for the request (computed; ~1.4e-3 on these inputs);
-  - P V: the FP8 MMA's products are exact but its accumulator keeps ~13 mantissa bits (FP22) within a
-    128-key tile (4 chained k-steps of 32 keys: at most 4 * 2^-13 = 2^-11 of sum_j p_j |v_j| however they
-    round or truncate), then the tile is folded into fp32 (2^-24 per tile): U_ACC = 2^-11 of o_abs =
-    sum_j w_j |v_j| (the model's; bf16's HGMMA accumulates in fp32: 16 k-steps, 2^-20);
+  - P V: the FP8 MMA's products are exact; each k-step of 32 keys aligns them and the accumulator to the largest
+    and drops what lies below 2^-13 of it, toward zero. The model does the same (KernelModel: tensor_core_pv,
+    ``fp8_mma=True``; the rule from benchmarks/results/studies/fp8_accumulation_h200.json); what it may still
+    miss (the rounding of a k-step's sum to FP22, 13 mantissa bits: 4 * 2^-13 = 2^-11 of sum_j p_j |v_j| per
+    128-key tile), then the tile's fold into fp32 (2^-24 per tile): U_ACC = 2^-11 of o_abs = sum_j w_j |v_j|
+    (the model's; bf16's HGMMA accumulates in fp32: 16 k-steps, 2^-20). Without the aligned truncation in the
+    model a one-sign channel (V's large mean) missed this by 3.3x on the H200 (docs/design/prefill.md);
   - P's rounding: the kernel's ex2.approx.ftz is within 2 ulp (2^-22) of the model's exact exp2, so an
     E4M3 byte of P rounds the other way only where P lies that close to a rounding point (probability
     ~2^-22 / 2^-3.5 = 2^-18.5 per key and row: rare); bf16's P differs more often, its scores being fp32
@@ -114,7 +117,7 @@ def _references(q, qo, layer, indptr, indices, last, lengths, *, recipe, causal,
     o, lse = batch_attention(q, qo, kd, vd, indptr, indices, last, causal=causal, sm_scale=sm_scale, recipe=recipe,
                              compensation=compensation, **kw)
     model = batch_prefill_kernel_attention(q, qo, layer, indptr, indices, last, causal=causal, sm_scale=sm_scale,
-                                           compensation=compensation,
+                                           compensation=compensation, fp8_mma=True,
                                            **prefill_op.numerics(recipe, prefill_op.build_knobs(recipe, knobs)))
     exact, quant = [], []
     for b, n in enumerate(lengths):

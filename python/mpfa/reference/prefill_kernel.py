@@ -36,6 +36,13 @@ P itself is the kernel's: on a CUDA device the model takes P = 2^x with the kern
 or no Triton) exp2 is exact, within 2 ulp (2^-22 relative) of the kernel's, and a P byte then flips where P lies
 that close to an E4M3 rounding point.
 
+The FP8 recipes' P V sums, given ``v_scale`` (:func:`tensor_core_pv`): the FP8 MMA (wgmma, 32 keys a k-step) adds
+each k-step's 32 products to its accumulator after aligning all of them and the accumulator to the largest one's
+exponent e and dropping, toward zero, what lies below 2^(e - 13) (the rule the H200 showed:
+benchmarks/results/studies/fp8_accumulation_h200.json, one product 2^13 above 31 others keeps them all, 2^14 loses
+them all, at k = 32, 64 and 128 and either sign); the kernel folds each 128-key tile's sum into float32 O.
+Without ``v_scale`` the sums are exact.
+
 What it does not reproduce, and so what a comparison with the kernel must allow for (the test's bound):
 the running-maximum corrections' exp2 (exact here; they scale sums and round nothing to E4M3); P V and l accumulate in float64 (the kernel: the FP8
 MMA's reduced-precision accumulator within a tile, float32 across tiles); the output stays float64 (the
@@ -300,7 +307,7 @@ def _float_scores_args(s, visible, log2_p, kv_tile):
 def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float | None = None,
                              compensation: bool = True, q_tile: int = Q_TILE, p_scale: float = P_SCALE,
                              comp_digits: bool = False, k_tile: int | None = None, kv_tile: int = KV_TILE,
-                             mu: torch.Tensor | None = None):
+                             mu: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """One request as the prefill kernel computes it (module docstring), in float64 where the kernel is exact or
     accumulates. ``q [n, H, D]`` bf16. Quantized recipes: ``k`` = (INT8 rows ``[m, H_kv, D]`` (qk4pv8: the i4rs
     row's INT8 image), per-token scales ``[m, H_kv]`` float32) as mpfa.KVCacheLayer.k_operand gives them, ``v``
@@ -309,7 +316,8 @@ def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float |
     ``p_scale``, ``comp_digits``, ``k_tile``: the build's numerics (mpfa_jit/ops/prefill.py numerics);
     ``kv_tile``: keys per main-loop tile (the kernel's 128; a tile of all keys gives the final-maximum P of
     recipe_attention); ``mu``: the smoothing vector ``[H, D]`` to use instead of the kernel's mean (a study of
-    what a wrong one costs).
+    what a wrong one costs); ``v_scale``: the FP8 recipes' V channel scales ``[H_kv, D]`` (``v`` is their E4M3
+    operand times them): given, the P V sums are the FP8 MMA's (:func:`tensor_core_pv`), else exact.
 
     Returns a :class:`KernelModel` (o, lse and the scales of the kernel's remaining rounding)."""
     recipe = get_recipe(recipe)
@@ -391,13 +399,47 @@ def prefill_kernel_attention(q, k, v, *, recipe, causal: bool, sm_scale: float |
         flip_max, twins = _flip_groups(arg, torch.where(arg == log2_p, torch.zeros_like(w_rest), w_rest) * v_norm)
     else:
         flip_max, twins = torch.zeros_like(lse), torch.ones_like(lse)
-    o = torch.einsum("hqk,khd->qhd", w, vh)
+    if v_scale is not None and recipe.quantized_q and m:
+        vs = _expand(v_scale.to(_F64), heads, 0)                              # [H, D]
+        sums = tensor_core_pv(p8, vh / vs.unsqueeze(0), kv_tile)               # [T, H, n, D], the E4M3 operands' units
+        frames = frame[..., ::kv_tile]                                        # [H, n, T]: constant over a tile
+        l_safe = torch.where(l > 0, l, torch.ones_like(l))
+        o = (torch.einsum("thqd,hqt->qhd", sums, frames) * vs.unsqueeze(0)) / l_safe.transpose(0, 1).unsqueeze(-1)
+    else:
+        o = torch.einsum("hqk,khd->qhd", w, vh)
     o_rot = None
     if recipe.v_format == "u4h":   # the kernel's output is O_rot; the wrapper rotates it back
         o_rot, o = o, o @ hadamard(d, device=o.device)
     return KernelModel(o=o, lse=lse, o_abs=torch.einsum("hqk,khd->qhd", w, vh.abs()),
                        o_abs_rest=torch.einsum("hqk,khd->qhd", w_rest, vh.abs()),
                        flip_max=flip_max, twins=twins, o_rot=o_rot)
+
+
+MMA_K = 32          # keys per FP8 wgmma k-step (the PV product's K)
+MMA_BITS = 13       # bits kept below the largest addend's leading bit in a k-step's aligned sum
+
+
+def tensor_core_pv(p8: torch.Tensor, v8: torch.Tensor, kv_tile: int) -> torch.Tensor:
+    """Each 128-key tile's P V sum as the FP8 MMA accumulates it: ``p8 [H, n, m]`` the E4M3 P values, ``v8 [m, H,
+    D]`` the E4M3 V operand (both exact in float64). Per tile a fresh accumulator; per k-step of MMA_K keys the
+    accumulator and the products p_j v_j are aligned to the largest one's exponent e (of |.|, per output element),
+    each truncated toward zero to a multiple of 2^(e - MMA_BITS), and summed (exactly: at most ~20 significant
+    bits). Returns ``[T, H, n, D]`` float64."""
+    heads, n, m = p8.shape
+    d = v8.shape[-1]
+    tiles = -(-m // kv_tile)
+    out = torch.empty((tiles, heads, n, d), dtype=_F64, device=p8.device)
+    vt = v8.transpose(0, 1)                                                   # [H, m, D]
+    for t in range(tiles):
+        acc = torch.zeros((heads, n, d), dtype=_F64, device=p8.device)
+        for k0 in range(t * kv_tile, min(m, (t + 1) * kv_tile), MMA_K):
+            k1 = min(m, k0 + MMA_K, (t + 1) * kv_tile)
+            terms = p8[:, :, k0:k1, None] * vt[:, None, k0:k1, :]            # [H, n, k, D], exact
+            big = torch.maximum(acc.abs(), terms.abs().amax(dim=2))
+            ulp = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - MMA_BITS)
+            acc = torch.trunc(acc / ulp) * ulp + (torch.trunc(terms / ulp.unsqueeze(2)) * ulp.unsqueeze(2)).sum(dim=2)
+        out[t] = acc
+    return out
 
 
 def _flip_groups(arg: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,9 +461,10 @@ def _flip_groups(arg: torch.Tensor, carry: torch.Tensor) -> tuple[torch.Tensor, 
 def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                    *, causal: bool, sm_scale: float | None = None, compensation: bool = True,
                                    q_tile: int = Q_TILE, p_scale: float = P_SCALE, comp_digits: bool = False,
-                                   k_tile: int | None = None, kv_tile: int = KV_TILE):
+                                   k_tile: int | None = None, kv_tile: int = KV_TILE, fp8_mma: bool = False):
     """:func:`prefill_kernel_attention` over a ragged batch in ``layer`` (an mpfa.KVCacheLayer), the keyword
-    arguments being the build's numerics (mpfa_jit/ops/prefill.py numerics). Returns one :class:`KernelModel` of
+    arguments being the build's numerics (mpfa_jit/ops/prefill.py numerics); ``fp8_mma``: the FP8 recipes' P V sums
+    as the tensor cores accumulate them (:func:`tensor_core_pv`), else exact. Returns one :class:`KernelModel` of
     all rows (zeros and LSE -inf for requests without rows)."""
     recipe = layer.recipe
     rotated = recipe.v_format == "u4h"
@@ -451,7 +494,8 @@ def batch_prefill_kernel_attention(q, qo_indptr, layer, paged_kv_indptr, paged_k
             v = gather_pages(layer.fields["v"][ids], local, m)
         one = prefill_kernel_attention(q[rows], k, v, recipe=recipe, causal=causal, sm_scale=sm_scale,
                                        compensation=compensation, q_tile=q_tile, p_scale=p_scale,
-                                       comp_digits=comp_digits, k_tile=k_tile, kv_tile=kv_tile)
+                                       comp_digits=comp_digits, k_tile=k_tile, kv_tile=kv_tile,
+                                       v_scale=layer.v_scale if fp8_mma and recipe.quantized_q else None)
         for name in ("o", "lse", "o_abs", "o_abs_rest", "flip_max", "twins") + (("o_rot",) if rotated else ()):
             getattr(out, name)[rows] = getattr(one, name)
     return out
