@@ -364,6 +364,10 @@ def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_setting
     assert plan.argv[plan.argv.index("--tokenizer-path") + 1] == str(serving.TOKENIZER)
     assert plan.argv[plan.argv.index("--context-length") + 1] == "66624"
     assert plan.argv[plan.argv.index("--page-size") + 1] == "16" and "--load-format" in plan.argv
+    # qk4pv4 from its own served YAML, when asked for (not in the default set)
+    argv, _ = serving.server_command("mpfa-qk4pv4", 66624, 9, tmp_path)
+    assert build_launch(argv[3], env={}).env["MPFA_RECIPE"] == "qk4pv4"
+    assert "mpfa-qk4pv4" in serving.CONFIGS and "mpfa-qk4pv4" not in serving.DEFAULT_CONFIGS
 
 
 def test_serving_client_is_sglangs_with_the_same_prompts_for_everyone(tmp_path):
