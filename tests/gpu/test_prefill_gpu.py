@@ -68,6 +68,7 @@ row's largest. (benchmarks/NOTES.md, 2026-12-02.)
 import itertools
 import math
 import os
+import re
 import zlib
 
 import pytest
@@ -172,7 +173,7 @@ def lse_bound(recipe, model, rows, q, kv_len, k_norm_max, sm_scale) -> torch.Ten
 
 def _check(o, lse, qo, refs, recipe, q, label, sm_scale=None):
     """The kernel's ``o`` (and ``lse``) against the references of :func:`_references` (module docstring)."""
-    exact, quant, model, k_norms, kv_lens, values = refs
+    exact, quant, model, k_norms, kv_lens, inputs = refs
     assert torch.isfinite(o).all(), f"{label}: output has non-finite elements (unwritten row or NaN read)"
     for b in range(len(exact)):
         rows = slice(int(qo[b]), int(qo[b + 1]))
@@ -191,9 +192,9 @@ def _check(o, lse, qo, refs, recipe, q, label, sm_scale=None):
         flip = 2.0 ** -3 * model.flip_event(rows) / model.o[rows].norm().item()
         if direct > bound and os.environ.get("MPFA_GPU_TEST_DUMP"):   # the tensors of a failure, for a study off the GPU
             torch.save({"o": o[rows].cpu(), "model_o": model.o[rows].cpu(), "o_abs": model.o_abs[rows].cpu(),
-                        "twins": model.twins[rows].cpu(), "flip_max": model.flip_max[rows].cpu(), "v": values[b].cpu(),
-                        "q": q[rows].cpu(), "o_recipe": o_r.cpu(), "o_exact": o_x.cpu()},
-                       os.path.join(os.environ["MPFA_GPU_TEST_DUMP"], f"{label}-request{b}.pt".replace(" ", "_")))
+                        "twins": model.twins[rows].cpu(), "flip_max": model.flip_max[rows].cpu(), "q": q[rows].cpu(),
+                        "o_recipe": o_r.cpu(), "o_exact": o_x.cpu(), **inputs(b)},
+                       os.path.join(os.environ["MPFA_GPU_TEST_DUMP"], re.sub(r"[^A-Za-z0-9._-]", "_", f"{label}-request{b}.pt")))
         assert direct <= bound, (f"{label} request {b}: rel-L2 to the kernel model {direct:.2e} > bound {bound:.2e} "
                                  f"({direct / bound:.1f}x; recipe_attention is {_rel_l2(o[rows], o_r):.2e} away; "
                                  f"{int(model.twins[rows].max())} twin rows, one correlated P flip moves up to {flip:.2e})")
@@ -226,14 +227,23 @@ def _check(o, lse, qo, refs, recipe, q, label, sm_scale=None):
 
 
 def _refs(q, qo, layer, indptr, indices, last, lengths, **kw):
-    """:func:`_references` plus what the LSE bound needs (each request's largest key norm and its KV length) and each
-    request's V (``[keys, KV heads, D]`` float64: what MPFA_GPU_TEST_DUMP saves of a failing request)."""
+    """:func:`_references` plus what the LSE bound needs (each request's largest key norm and its KV length) and a
+    function of a request giving the model's inputs for it (CPU tensors: what MPFA_GPU_TEST_DUMP saves of a failing
+    request, so that prefill_kernel_attention can be rerun on it off the GPU)."""
     exact, quant, model = _references(q, qo, layer, indptr, indices, last, lengths, **kw)
     kd, vd = layer.dequantize(dtype=torch.float64, path="prefill")
     ids = [indices[int(indptr[b]):int(indptr[b + 1])] for b in range(len(lengths))]
     k_norms = [gather_pages(kd, ids[b], n).norm(dim=-1).max().item() if n else 0.0 for b, n in enumerate(lengths)]
-    values = [gather_pages(vd, ids[b], n) for b, n in enumerate(lengths)]
-    return exact, quant, model, k_norms, lengths, values
+
+    def inputs(b):
+        n, local = lengths[b], torch.arange(ids[b].numel(), device=ids[b].device)
+        out = {"v": gather_pages(vd, ids[b], n).cpu(), "numerics": {k: v for k, v in kw.items() if k != "knobs"},
+               "v_scale": None if layer.v_scale is None else layer.v_scale.cpu()}
+        if layer.recipe.quantized_q:
+            k_int, k_scale = (gather_pages(x, local, n) for x in layer.k_operand(pages=ids[b].long()))
+            out.update(k_int=k_int.cpu(), k_scale=k_scale.cpu())
+        return out
+    return exact, quant, model, k_norms, lengths, inputs
 
 
 # A covering design over each recipe's 8 builds (head_dim x page size) and the runtime GQA group 1..8
