@@ -62,7 +62,9 @@ PAGE_SIZES = _append_op.PAGE_SIZES        # every op serves the pages the cache 
 # The page size a server started without --page-size serves (SGLang's own default is 1): mpfa decodes fastest
 # at 16. H200, docs/design/decode.md: qk4pv8 decode reads 0.86-0.88 of HBM bandwidth at page 16 against 0.62-0.65
 # at page 1 (665 us against 480 us at 32 x 32K: a page-1 token is five pieces in five arrays, each its own burst),
-# qk8pv8 0.89-0.91 against 0.80-0.84; 32 and 64 serve too but were not measured faster.
+# qk8pv8 0.89-0.91 against 0.80-0.84. 32 and 64 serve too; one decode run (3073af1,
+# benchmarks/results/studies/decode_page1_record_h200.json, 32 x 32K) read them 2-7% faster than 16 (qk4pv8 0.93 / 0.95
+# against 0.91, qk4pv4 0.77 / 0.78 against 0.73), not yet weighed end to end against a page's coarser prefix sharing.
 DEFAULT_PAGE_SIZE = 16
 # Whether mpfa leaves SGLang's default prefill CUDA graph (0.5.17: "breakable", attention eager between captured
 # segments) on when the command line does not configure the prefill graph. Off, as the H200 A/B decided
