@@ -44,9 +44,10 @@ them all, at k = 32, 64 and 128 and either sign); the kernel folds each 128-key 
 Without ``v_scale`` the sums are exact.
 
 What it does not reproduce, and so what a comparison with the kernel must allow for (the test's bound):
-the running-maximum corrections' exp2 (exact here; they scale sums and round nothing to E4M3); P V and l accumulate in float64 (the kernel: the FP8
-MMA's reduced-precision accumulator within a tile, float32 across tiles); the output stays float64 (the
-kernel rounds it to bf16). Finite inputs only: non-finite ones have their own rules
+the running-maximum corrections' exp2 (exact here; they scale sums and round nothing to E4M3); P V within a tile
+(exact without ``v_scale``; with it, whatever of the FP8 MMA the rule above misses, e.g. a rounding of each k-step's
+sum), and l and the fold across tiles, in float64 (the kernel: float32); the output stays float64 (the kernel
+rounds it to bf16). Finite inputs only: non-finite ones have their own rules
 (:mod:`mpfa.reference.attention`) and their own tests.
 """
 from __future__ import annotations
