@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -46,6 +47,18 @@ def validate(result: dict, where: str = "result") -> dict:
     return result
 
 
+# A list of numbers (token ids, latencies) on one line: indent=1 gives each number a line of its own, and the e2e
+# file's token ids alone then took 190 KB of the results folder's budget (tests/cpu/test_repo_shape.py).
+_NUMBER = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+_NUMBER_LIST = re.compile(rf"\[\s*({_NUMBER}(?:\s*,\s*{_NUMBER})*)\s*\]")
+
+
+def dumps(result: dict) -> str:
+    """The text of a results file: indented one space per level, lists of numbers on one line."""
+    text = json.dumps(result, indent=1, allow_nan=False)
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+
+
 def write(name: str, meta: dict, summary: dict, rows: list[dict],
           out_dir: Path | str = RESULTS_DIR) -> Path:
     """Write `<out_dir>/<name>.json` atomically (a killed run never leaves half a file)."""
@@ -54,7 +67,7 @@ def write(name: str, meta: dict, summary: dict, rows: list[dict],
     result = validate(_clean({"meta": meta, "summary": summary, "rows": rows}), name)
     path = out_dir / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    tmp.write_text(dumps(result))
     os.replace(tmp, path)
     return path
 
