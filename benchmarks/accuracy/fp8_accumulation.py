@@ -12,6 +12,12 @@ it with ``torch._scaled_mm`` (cuBLASLt FP8 GEMM; ``use_fast_accum=True`` accumul
 like the kernel's QGMMA chain, ``False`` promotes partial sums to FP32 every few k-steps): a row with one
 product ``2^r`` times larger than the ``k - 1`` others (all exact in E4M3), for k = 32, 64, 128 and
 r = 0 .. 28. The share of the small terms lost, as r grows, gives the accumulator's width.
+
+Then the rule the prefill kernel's model takes from that (mpfa.reference.prefill_kernel.tensor_core_pv: per k-step of
+32, the accumulator and the products aligned to the largest and truncated toward zero below 2^-13 of it), checked
+against the tensor cores on random dot products whose products span a wide range (positive P-like E4M3 operands
+times signed V-like ones, k = 32, 64, 128, fast accumulation): per k, the share of dot products the rule gives
+bit for bit, against the share an exact sum gives (rows ``{"rule_check": true, ...}``).
 """
 from __future__ import annotations
 
@@ -53,6 +59,36 @@ def probe(k: int, ratio_log2: int, fast: bool, small_sign: int = 1) -> float:
     return float((2.0 ** big + small_sum - out[0, 0].double()) / small_sum)
 
 
+def rule_check(k: int, batches: int = 4, seed: int = 0) -> dict:
+    """How many of ``batches`` x 256 random length-``k`` dot products of E4M3 operands the tensor cores (cuBLASLt,
+    fast accumulation) return exactly as tensor_core_pv's rule does, and as an exact sum does."""
+    import torch
+    from mpfa.reference.prefill_kernel import tensor_core_pv
+    e4m3 = torch.float8_e4m3fn
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    one = torch.ones((), device="cuda")
+    rule = exact = 0
+    worst_rule = worst_exact = 0.0
+    for _ in range(batches):
+        # P-like: 2^-6 .. 2^8 (positive, as P is); V-like: signed, 2^-4 .. 2^6
+        a = torch.exp2(torch.rand(16, k, generator=gen, device="cuda") * 14 - 6).to(e4m3)
+        b = (torch.exp2(torch.rand(k, 16, generator=gen, device="cuda") * 10 - 4)
+             * torch.where(torch.rand(k, 16, generator=gen, device="cuda") < 0.5, -1.0, 1.0)).to(e4m3)
+        got = torch._scaled_mm(a, b.t().contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                               use_fast_accum=True).double()
+        a64, b64 = a.float().double(), b.float().double()
+        want = tensor_core_pv(a64.unsqueeze(0), b64.unsqueeze(1), k)[0, 0]   # [16, 16]: rows of a x columns of b
+        full = a64 @ b64
+        scale = (a64.abs() @ b64.abs()).clamp_min(1e-30)
+        rule += int((got == want).sum())
+        exact += int((got == full).sum())
+        worst_rule = max(worst_rule, float(((got - want).abs() / scale).max()))
+        worst_exact = max(worst_exact, float(((got - full).abs() / scale).max()))
+    n = batches * 256
+    return {"rule_check": True, "k": k, "dot_products": n, "match_rule": rule / n, "match_exact": exact / n,
+            "max_diff_rule_rel_abs_sum": worst_rule, "max_diff_exact_rel_abs_sum": worst_exact}
+
+
 def main(argv=None) -> int:
     ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     publish.add_arguments(ap, out_help="the study's file", published=DEFAULT_OUT, scratch=SCRATCH_OUT)
@@ -76,6 +112,12 @@ def main(argv=None) -> int:
         print(f"use_fast_accum={fast}: share of the small terms lost (k=128, positive) by log2(big / small)")
         print("  " + " ".join(f"{r['ratio_log2']:>2d}:{r['lost_fraction']:.2f}" for r in rows
                               if r["use_fast_accum"] == fast and r["k"] == 128 and r["small_sign"] == 1))
+    for k in (32, 64, 128):
+        rows.append(rule_check(k))
+        r = rows[-1]
+        print(f"k={k}: the rule gives {r['match_rule']:.1%} of {r['dot_products']} dot products bit for bit "
+              f"(exact sums {r['match_exact']:.1%}); worst difference, of sum |a b|: rule "
+              f"{r['max_diff_rule_rel_abs_sum']:.1e}, exact {r['max_diff_exact_rel_abs_sum']:.1e}")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": torch.version.cuda}
