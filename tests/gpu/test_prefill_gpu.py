@@ -22,8 +22,9 @@ Tolerances:
     128-key tile), then the tile's fold into fp32 (2^-24 per tile): U_ACC = 2^-11 of o_abs = sum_j w_j |v_j|
     (the model's; bf16's HGMMA accumulates in fp32: 16 k-steps, 2^-20). Without the aligned truncation in the
     model a one-sign channel (V's large mean) missed this by 3.3x on the H200 (docs/design/prefill.md);
-  - P's rounding: the kernel's ex2.approx.ftz is within 2 ulp (2^-22) of the model's exact exp2, so an
-    E4M3 byte of P rounds the other way only where P lies that close to a rounding point (probability
+  - P's rounding: on the GPU the model's exp2 is the kernel's own ex2.approx.ftz ("Correlated P rounding" below);
+    a model on exact exp2 (within 2 ulp, 2^-22, of it) sees an
+    E4M3 byte of P round the other way only where P lies that close to a rounding point (probability
     ~2^-22 / 2^-3.5 = 2^-18.5 per key and row: rare); bf16's P differs more often, its scores being fp32
     sums of 128 products in the tensor cores' order (relative 2^-24 * D * sum |q_d k_d|, some 1e-5): a
     bf16 P byte may move one ulp (2^-7) in a percent of keys. The row's largest P is exactly 2^log2(p_scale)

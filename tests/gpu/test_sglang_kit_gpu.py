@@ -67,10 +67,8 @@ rows so far.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
 import sys
 import time
 import unittest
@@ -89,7 +87,6 @@ pytestmark = [pytest.mark.gpu]
 pytest.importorskip("sglang", reason="SGLang is not installed (pip install -e '.[sglang]' on the H200): its attention "
                                      "test kit ships in the sglang wheel")
 
-ROOT = Path(__file__).resolve().parents[2]
 BACKEND = "mpfa"
 RECIPES = ("bf16", "qk8pv8", "qk4pv8", "qk4pv4")
 DEFAULTS_RECIPE = "qk4pv8"                 # the refusal rows: mpfa's default recipe
@@ -121,12 +118,14 @@ def kit():
         pytest.fail(f"SGLang's attention test kit does not import: {type(e).__name__}: {e}")
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
+    from benchmarks import meta as bench_meta
     from mpfa.sglang import plugin
-    from mpfa.sglang.compat import sglang_version
     plugin.register()
     assert ATTENTION_BACKENDS.get(BACKEND) is plugin.create_backend, "the plugin did not register the mpfa backend"
-    _META.update(sglang=sglang_version(), torch=torch.__version__, gpu=torch.cuda.get_device_name(),
-                 mpfa_commit=_commit(), kit_tolerance={"atol": da.DENSE_ATOL, "rtol": da.DENSE_RTOL},
+    # the run's command, commit, GPU, driver, CUDA, torch and peers' versions, once
+    _META.update(bench_meta.collect(f"MPFA_KIT_TABLE={os.environ.get('MPFA_KIT_TABLE', '')} python -m pytest "
+                                    + " ".join(sys.argv[1:])))
+    _META.update(kit_tolerance={"atol": da.DENSE_ATOL, "rtol": da.DENSE_RTOL},
                  quant_bounds=QUANT_BOUNDS, head_dim_hidden=[[HEAD_DIM, HIDDEN], list(FA3_DIMS)],
                  kit_defaults={"head_dim": da.DEFAULT_HEAD_DIM, "hidden_size": da.DEFAULT_HIDDEN_SIZE,
                                "dtype": str(da.DEFAULT_DTYPE).removeprefix("torch.")})
@@ -371,17 +370,6 @@ def _max(values):
     return max(values, key=lambda v: math.inf if v != v else v) if values else None   # NaN ranks highest
 
 
-def _commit() -> str | None:
-    if os.environ.get("MPFA_BENCH_COMMIT"):
-        return os.environ["MPFA_BENCH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _jsonable(v):
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
@@ -410,7 +398,7 @@ def _result_cell(r) -> str:
 
 
 def markdown(rows, title: str = "SGLang attention test kit vs --attention-backend mpfa") -> str:
-    meta = ", ".join(f"{k} {_META[k]}" for k in ("sglang", "torch", "gpu", "mpfa_commit", "kernels",
+    meta = ", ".join(f"{k} {_META[k]}" for k in ("sglang", "torch", "gpu", "commit", "kernels",
                                                  "kernel_build_s") if k in _META)
     bounds = "; ".join(f"{r}: rel-L2 <= {b['rel_l2']}, worst row <= {b['worst_row_rel_l2']}"
                        for r, b in QUANT_BOUNDS.items())
@@ -437,10 +425,8 @@ def _write_table() -> None:
     p = Path(path)
     json_path, md_path = (p.with_suffix(".json"), p) if p.suffix == ".md" else (p, p.with_suffix(".md"))
     p.parent.mkdir(parents=True, exist_ok=True)
-    from benchmarks import meta as bench_meta   # command, commit, GPU, driver, CUDA, torch, peers' versions
-    run = bench_meta.collect("MPFA_KIT_TABLE=" + path + " python -m pytest " + " ".join(sys.argv[1:]))
-    table = {"meta": {**run, **_META}, "summary": _summary(_ROWS), "rows": _ROWS}
-    json_path.write_text(json.dumps(_jsonable(table), indent=1))
+    from benchmarks import results_io
+    json_path.write_text(results_io.dumps(_jsonable({"meta": _META, "summary": _summary(_ROWS), "rows": _ROWS})))
     md_path.write_text(markdown(_ROWS) + "\n")
 
 
