@@ -17,7 +17,9 @@ Then the rule the prefill kernel's model takes from that (mpfa.reference.prefill
 32, the accumulator and the products aligned to the largest and truncated toward zero below 2^-13 of it), checked
 against the tensor cores on random dot products whose products span a wide range (positive P-like E4M3 operands
 times signed V-like ones, k = 32, 64, 128, fast accumulation): per k, the share of dot products the rule gives
-bit for bit, against the share an exact sum gives (rows ``{"rule_check": true, ...}``).
+bit for bit, against the share an exact sum gives (rows ``{"rule_check": true, ...}``), and the share each variant
+of the rule gives (``variant_match``: accumulator kept on the products' grid or in fp32, k-step 16 or 32, 11 to 16
+bits; ``accumulate``), so one run says which rule the tensor cores follow.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import cli, publish
+from benchmarks import meta as bench_meta
 
 STUDIES = Path(__file__).resolve().parents[1] / "results" / "studies"
 DEFAULT_OUT = STUDIES / "fp8_accumulation_h200.json"   # with --publish
@@ -59,9 +62,48 @@ def probe(k: int, ratio_log2: int, fast: bool, small_sign: int = 1) -> float:
     return float((2.0 ** big + small_sum - out[0, 0].double()) / small_sum)
 
 
+ACC_MODES = ("aligned", "fp32_rn", "fp32_rz")
+VARIANT_STEPS = (16, 32)
+VARIANT_BITS = tuple(range(11, 17))
+
+
+def accumulate(a, b, *, step: int, bits: int, acc_mode: str):
+    """``a [r, k] @ b [k, c]`` (float64 holding E4M3 values) summed as an FP8 MMA might: per k-step of ``step``
+    products, the products (and, for ``aligned``, the accumulator too) aligned to the largest one's leading bit and
+    truncated toward zero ``bits`` below it; ``aligned`` keeps the accumulator on that grid, ``fp32_rn`` / ``fp32_rz``
+    add the step's aligned sum to an fp32 accumulator rounding to nearest / toward zero. (aligned, 32, 13) is the
+    rule of mpfa.reference.prefill_kernel.tensor_core_pv."""
+    import torch
+
+    def grid(big):
+        return torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - bits)
+
+    terms = a[:, :, None] * b[None, :, :]                                     # [r, k, c], exact
+    acc = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float64, device=a.device)
+    for k0 in range(0, a.shape[1], step):
+        t = terms[:, k0:k0 + step]
+        if acc_mode == "aligned":
+            ulp = grid(torch.maximum(acc.abs(), t.abs().amax(dim=1)))
+            acc = torch.trunc(acc / ulp) * ulp + (torch.trunc(t / ulp[:, None]) * ulp[:, None]).sum(dim=1)
+            continue
+        ulp = grid(t.abs().amax(dim=1))
+        acc = acc + (torch.trunc(t / ulp[:, None]) * ulp[:, None]).sum(dim=1)
+        if acc_mode == "fp32_rn":
+            acc = acc.float().double()
+        else:
+            ulp32 = torch.ldexp(torch.ones_like(acc), torch.frexp(acc).exponent - 24)
+            acc = torch.trunc(acc / ulp32) * ulp32
+    return acc
+
+
+def variant_name(acc_mode: str, step: int, bits: int) -> str:
+    return f"{acc_mode}/k{step}/b{bits}"
+
+
 def rule_check(k: int, batches: int = 4, seed: int = 0) -> dict:
     """How many of ``batches`` x 256 random length-``k`` dot products of E4M3 operands the tensor cores (cuBLASLt,
-    fast accumulation) return exactly as tensor_core_pv's rule does, and as an exact sum does."""
+    fast accumulation) return exactly as tensor_core_pv's rule does, and as an exact sum does; and, per variant of the
+    rule (``accumulate``: accumulator mode, k-step, bits kept), the share it gives bit for bit."""
     import torch
     from mpfa.reference.prefill_kernel import tensor_core_pv
     e4m3 = torch.float8_e4m3fn
@@ -69,6 +111,7 @@ def rule_check(k: int, batches: int = 4, seed: int = 0) -> dict:
     one = torch.ones((), device="cuda")
     rule = exact = 0
     worst_rule = worst_exact = 0.0
+    variants = {variant_name(m, st, bi): 0 for m in ACC_MODES for st in VARIANT_STEPS for bi in VARIANT_BITS}
     for _ in range(batches):
         # P-like: 2^-6 .. 2^8 (positive, as P is); V-like: signed, 2^-4 .. 2^6
         a = torch.exp2(torch.rand(16, k, generator=gen, device="cuda") * 14 - 6).to(e4m3)
@@ -84,9 +127,15 @@ def rule_check(k: int, batches: int = 4, seed: int = 0) -> dict:
         exact += int((got == full).sum())
         worst_rule = max(worst_rule, float(((got - want).abs() / scale).max()))
         worst_exact = max(worst_exact, float(((got - full).abs() / scale).max()))
+        for m in ACC_MODES:
+            for st in VARIANT_STEPS:
+                for bi in VARIANT_BITS:
+                    variants[variant_name(m, st, bi)] += int((got == accumulate(a64, b64, step=st, bits=bi,
+                                                                                 acc_mode=m)).sum())
     n = batches * 256
     return {"rule_check": True, "k": k, "dot_products": n, "match_rule": rule / n, "match_exact": exact / n,
-            "max_diff_rule_rel_abs_sum": worst_rule, "max_diff_exact_rel_abs_sum": worst_exact}
+            "max_diff_rule_rel_abs_sum": worst_rule, "max_diff_exact_rel_abs_sum": worst_exact,
+            "variant_match": {name: c / n for name, c in variants.items()}}
 
 
 def main(argv=None) -> int:
@@ -118,9 +167,10 @@ def main(argv=None) -> int:
         print(f"k={k}: the rule gives {r['match_rule']:.1%} of {r['dot_products']} dot products bit for bit "
               f"(exact sums {r['match_exact']:.1%}); worst difference, of sum |a b|: rule "
               f"{r['max_diff_rule_rel_abs_sum']:.1e}, exact {r['max_diff_exact_rel_abs_sum']:.1e}")
+        best = sorted(r["variant_match"].items(), key=lambda kv: -kv[1])[:3]
+        print("  best variants: " + ", ".join(f"{name} {share:.1%}" for name, share in best))
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join([PROG, *(sys.argv[1:] if argv is None else argv)]), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "cuda": torch.version.cuda}
+    meta = bench_meta.collect(" ".join([PROG, *(sys.argv[1:] if argv is None else argv)]))
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -61,8 +61,8 @@ bit-equal P, and keys with equal arguments in a row round together (tie groups, 
 rounding the other way moves all K twin rows, the request's rel-L2 by 2^-3 sqrt(K) F / ||o|| (KernelModel.flip_event)
 instead of being diluted by sqrt(rows). On the GPU the model takes P = 2^x from the GPU's own ex2.approx.ftz
 (mpfa.reference.prefill_kernel.hardware_exp2; test_model_exp2_is_the_gpus checks that path is active), so its P
-bytes are the kernel's and no such event occurs; the request bound grants none. (One failing case is the FP8 MMA's
-accumulator, not P: docs/design/prefill.md, "The one failing GPU test".) row_bound's flip term (for a model on
+bytes are the kernel's and no such event occurs; the request bound grants none. (The FP8 MMA's accumulator is modelled
+too: docs/design/prefill.md, "The FP8 MMA's accumulator in the GPU test's model".) row_bound's flip term (for a model on
 exact exp2) uses the tie groups and leaves out keys whose P is exactly p_scale (exact exp2 of 8), as it does the
 row's largest. (benchmarks/NOTES.md, 2026-12-02.)
 """
