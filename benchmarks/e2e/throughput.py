@@ -27,7 +27,12 @@ rows (``workload: "mixed"``, group ``<model>/mixed/...``) add TTFT of the short 
 and it has no concurrency-1 probe (no one input length for it to stand for).
 
 Input lengths are exact token counts; input + output must fit the model's positions, so "128K" with 1,024
-output tokens is ``--input-len 130048`` for Llama-3.1-8B (131,072 positions).
+output tokens is ``--input-len 130048`` for Llama-3.1-8B (131,072 positions). Several lengths
+(``--input-len 32768,65536,130048 --requests 56,29,15``) run one after another on one server per configuration,
+its context long enough for the longest, the radix cache flushed before each load (prompts of one seed share
+prefixes across lengths): one server start per configuration instead of one per length (~1-4 minutes each).
+Each length is a row of its own, as a run of that length alone writes it, plus ``server_lengths`` (the lengths
+its server ran, in order).
 
 ``--requests auto`` sends enough requests to fill the largest pool of all configurations twice (``--fills``;
 from ``max_total_num_tokens`` rows already in the results file, else from the recipes' bytes per token),
@@ -43,6 +48,7 @@ in a folder under scratch, which a failed run names (``benchmarks/publish.py``).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -61,7 +67,7 @@ from benchmarks import meta as bench_meta
 from benchmarks import publish, results_io
 from benchmarks.e2e import results as e2e_results
 from benchmarks.e2e.results import CONFIGS
-from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
+from benchmarks.e2e.server import Server, http_json, server_env, server_info, stream_generate
 from mpfa.recipes import get_recipe
 from mpfa.sglang.kernels import server_kernel_specs
 from mpfa.sglang.model import check_hf_config, read_hf_config
@@ -349,41 +355,75 @@ def mpfa_kernel_builds(config: str, model: str, tp: int) -> list[str] | None:
         return None
 
 
-def run_config(config: str, args, inputs, probe_input, probe_output: int, context: int, log_dir: Path, bar) -> dict:
-    """One configuration's server under the load (and the concurrency-1 probe where ``probe_input`` is given)."""
+@dataclass
+class Load:
+    """One load a configuration's server runs: ``args`` as a run of that load alone would have them (its
+    ``input_len`` and ``requests``), its prompts, and the concurrency-1 probe's prompt and output (None, 0: none)."""
+    args: object
+    inputs: list
+    probe_input: list | None
+    probe_output: int
+
+
+def flush_radix_cache(base: str) -> None:
+    """Empty the server's radix cache, so a load's prompts hit nothing an earlier load left (SGLang refuses while
+    requests run; ``timeout`` lets the last ones drain)."""
+    http_json(f"{base}/flush_cache?timeout=60", {})
+
+
+def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar) -> list[dict]:
+    """One configuration's server under each load in turn (and each load's concurrency-1 probe where it has one):
+    a row per load."""
+    args = loads[0].args
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=args.port, weights=args.weights)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
-    input_lens = [len(x) for x in inputs]
-    row = {"part": "throughput", "model": args.model, "config": config, **workload_fields(args, config, input_lens),
-           **({"quantization": args.weights} if args.weights else {}),
-           "output_len": args.output_len, "tp": args.tp, "mem_fraction_static": args.mem_fraction, "concurrency": args.concurrency or len(inputs),
-           "requests_arg": args.requests, "fills": args.fills if args.requests == "auto" else None,
-           # which GPU of the host, so runs of parallel queues (one GPU each) say so
-           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    rows = []
+    for load in loads:
+        a, input_lens = load.args, [len(x) for x in load.inputs]
+        rows.append({"part": "throughput", "model": a.model, "config": config, **workload_fields(a, config, input_lens),
+                     **({"quantization": a.weights} if a.weights else {}),
+                     "output_len": a.output_len, "tp": a.tp, "mem_fraction_static": a.mem_fraction,
+                     "concurrency": a.concurrency or len(load.inputs),
+                     "requests_arg": a.requests, "fills": a.fills if a.requests == "auto" else None,
+                     # which GPU of the host, so runs of parallel queues (one GPU each) say so
+                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+        if len(loads) > 1:
+            rows[-1]["server_lengths"] = [ld.args.input_len for ld in loads]
     builds = mpfa_kernel_builds(config, args.model, args.tp)   # before the server: a failure here costs no GPU time
-    if builds:
-        row["mpfa_kernels"] = builds
-    label = workload_label(args)
+    for row in rows:
+        if builds:
+            row["mpfa_kernels"] = builds
+    label = "-".join(workload_label(ld.args) for ld in loads)
     t0 = time.perf_counter()
+    done = 0
     try:
         with Server(argv, env, log_dir / f"throughput-{args.model}-{label}-{config}.log", args.port) as srv:
-            row["startup_s"] = round(srv.startup_s, 1)
-            row["max_total_num_tokens"] = server_info(srv.base).get("max_total_num_tokens")
-            bar.set_description(f"{config} {workload_title(args)}: {len(inputs)} requests")
-            results, wall = run_load(args.port, inputs, args.output_len, args.concurrency)
-            row.update(summarize_run(results, wall, input_lens))
-            if args.workload == "mixed":
-                row.update(ttft_by_length_class(results, input_lens))
-            if probe_input is not None:   # a request none of the others shares a prefix with: no radix-cache hit
-                row.update(run_probe(args.port, probe_input, probe_output))
-            row["server_alive"] = srv.alive()
-        row["status"] = "ok" if row["errors"] == 0 else "error"
+            pool = server_info(srv.base).get("max_total_num_tokens")
+            for i, (load, row) in enumerate(zip(loads, rows)):
+                t_load = time.perf_counter()
+                row["startup_s"] = round(srv.startup_s, 1)
+                row["max_total_num_tokens"] = pool
+                if i:
+                    flush_radix_cache(srv.base)
+                bar.set_description(f"{config} {workload_title(load.args)}: {len(load.inputs)} requests")
+                results, wall = run_load(args.port, load.inputs, load.args.output_len, load.args.concurrency)
+                row.update(summarize_run(results, wall, [len(x) for x in load.inputs]))
+                if load.args.workload == "mixed":
+                    row.update(ttft_by_length_class(results, [len(x) for x in load.inputs]))
+                if load.probe_input is not None:   # a request none of the others shares a prefix with: no radix hit
+                    row.update(run_probe(args.port, load.probe_input, load.probe_output))
+                row["server_alive"] = srv.alive()
+                row["status"] = "ok" if row["errors"] == 0 else "error"
+                # the first load's row carries the server start, as a run of that load alone would
+                row["seconds"] = round(time.perf_counter() - (t0 if i == 0 else t_load), 1)
+                done += 1
+                bar.update(1)
     except Exception as e:
-        row.update(status="error", error=f"{type(e).__name__}: {e}")
-    row["seconds"] = round(time.perf_counter() - t0, 1)
-    bar.update(1)
-    return row
+        for row in rows[done:]:
+            row.update(status="error", error=f"{type(e).__name__}: {e}", seconds=round(time.perf_counter() - t0, 1))
+            bar.update(1)
+    return rows
 
 
 def run_soak(args, log_dir: Path) -> dict:
@@ -511,10 +551,14 @@ def parse_args(argv):
                          f"({MIXED_LENGTHS.long_per_block} in {MIXED_LENGTHS.block} of {MIXED_LENGTHS.long_min} "
                          f"tokens up to the model's limit less --output-len, the rest {MIXED_LENGTHS.short_min}-"
                          f"{MIXED_LENGTHS.short_max}; default %(default)s)")
-    ap.add_argument("--input-len", type=int, default=None, help="prompt tokens of --workload fixed (default 32768)")
+    ap.add_argument("--input-len", default=None,
+                    help="prompt tokens of --workload fixed, or several comma-separated, run one after another on "
+                         "one server per configuration (default 32768)")
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
-    ap.add_argument("--requests", default="auto", help="number of requests, or 'auto' (fill the largest pool --fills times)")
+    ap.add_argument("--requests", default="auto",
+                    help="number of requests, or 'auto' (fill the largest pool --fills times); with several "
+                         "--input-len, one for each (comma-separated) or one for all")
     ap.add_argument("--fills", type=float, default=2.0, help="pool fills for --requests auto (default 2, the issue's)")
     ap.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default all)")
     ap.add_argument("--no-ttft-probe", dest="ttft_probe", action="store_false",
@@ -537,11 +581,41 @@ def parse_args(argv):
         ap.error(f"--port must be in 1024..65535, got {args.port}")
     if args.workload == "mixed" and args.input_len is not None:
         ap.error("--input-len: only with --workload fixed (--workload mixed draws its prompt lengths from MIXED_LENGTHS)")
-    if args.workload == "fixed" and args.input_len is None:
-        args.input_len = 32768
-    if (args.input_len is not None and args.input_len <= 0) or args.output_len <= 0:
-        ap.error("--input-len and --output-len must be positive")
+    args.input_lens = None
+    if args.workload == "fixed":
+        args.input_lens = input_lengths(ap, args.input_len or "32768")
+        args.input_len = args.input_lens[0]
+    if args.output_len <= 0:
+        ap.error(f"--output-len must be positive, got {args.output_len}")
+    requests = args.requests.split(",")
+    if len(requests) > 1 and len(requests) != len(args.input_lens or [None]):
+        ap.error(f"--requests: {len(requests)} values for {len(args.input_lens or [None])} --input-len; give one "
+                 f"for each length or one for all, got {args.requests!r}")
     return ap, args
+
+
+def input_lengths(ap, text: str) -> list[int]:
+    """--input-len's lengths: positive integers, each once."""
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) <= 0:
+        ap.error(f"--input-len takes positive token counts, one or several comma-separated, got {text!r}")
+    if len(set(lengths)) != len(lengths):
+        ap.error(f"--input-len: each length once, got {text!r}")
+    return lengths
+
+
+def load_views(args) -> list[argparse.Namespace]:
+    """The arguments as a run of each load alone would have them: one per --input-len (its ``input_len`` and
+    ``requests``), or the mixed workload's one."""
+    if args.workload != "fixed":
+        return [args]
+    requests = args.requests.split(",")
+    requests = requests if len(requests) > 1 else requests * len(args.input_lens)
+    return [argparse.Namespace(**{**vars(args), "input_len": n, "requests": r})
+            for n, r in zip(args.input_lens, requests)]
 
 
 def check_fits(ap, args, max_pos: int) -> None:
@@ -643,8 +717,10 @@ def main(argv=None) -> int:
     if not (args.soak or args.tp_check):
         model_cfg = model_config(args.model)
         vocab, max_pos = model_cfg["vocab_size"], model_cfg["max_position_embeddings"]
-        check_fits(ap, args, max_pos)
-        n = request_count(ap, args, previous["rows"], max_pos)
+        views = load_views(args)
+        for v in views:
+            check_fits(ap, v, max_pos)
+        counts = [request_count(ap, v, previous["rows"], max_pos) for v in views]
     why = refusal(args)
     if why:
         print(why, file=sys.stderr)
@@ -662,21 +738,24 @@ def main(argv=None) -> int:
                 f"{command}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
         print(json.dumps(row, indent=1))
         return finish(args, [row], work)
-    lengths = prompt_lengths(args, n, max_pos)
-    inputs = inputs_of_lengths(lengths, vocab)
-    # the probe: one prompt of the run's length alone; a mixed run has no one length for it to stand for
-    probe = args.ttft_probe and args.workload == "fixed"
-    probe_input = make_inputs(1, args.input_len, vocab, seed=7)[0] if probe else None
-    probe_output = probe_output_len(args.input_len, args.output_len, max_pos) if probe else 0
-    context = server_context_length(max(lengths), max(args.output_len, probe_output), max_pos)
-    print(f"{len(configs)} configurations x {describe_load(args, lengths)} ({args.model}, TP {args.tp})",
-          file=sys.stderr)
+    loads = []
+    for v, n in zip(views, counts):
+        inputs = inputs_of_lengths(prompt_lengths(v, n, max_pos), vocab)
+        # the probe: one prompt of the load's length alone; a mixed run has no one length for it to stand for
+        probe = v.ttft_probe and v.workload == "fixed"
+        loads.append(Load(v, inputs, make_inputs(1, v.input_len, vocab, seed=7)[0] if probe else None,
+                          probe_output_len(v.input_len, v.output_len, max_pos) if probe else 0))
+    context = server_context_length(max(len(x) for ld in loads for x in ld.inputs),
+                                    max(args.output_len, *(ld.probe_output for ld in loads)), max_pos)
+    for ld in loads:
+        print(f"{len(configs)} configurations x {describe_load(ld.args, [len(x) for x in ld.inputs])} "
+              f"({args.model}, TP {args.tp})", file=sys.stderr)
     from tqdm import tqdm
     rows = []
     meta = run_meta(command, ["throughput"], previous["meta"])
-    with tqdm(total=len(configs), unit="server", file=sys.stderr) as bar:
+    with tqdm(total=len(configs) * len(loads), unit="load", file=sys.stderr) as bar:
         for config in configs:
-            rows.append(run_config(config, args, inputs, probe_input, probe_output, context, log_dir, bar))
+            rows.extend(run_config(config, loads, context, log_dir, bar))
             e2e_results.write_rows(previous["rows"], rows, work, meta)
     for r in rows:
         print(result_line(r))

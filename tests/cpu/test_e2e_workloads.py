@@ -288,7 +288,7 @@ def test_bad_workload_arguments_are_refused_naming_the_argument(capsys, tmp_path
 
 # --- a whole run against a stand-in server ---------------------------------------------------------------------------
 
-# Answers what the benchmark asks of SGLang: /health, /server_info and streamed /generate (one SSE event per
+# Answers what the benchmark asks of SGLang: /health, /server_info, /flush_cache and streamed /generate (one SSE event per
 # token), refusing requests longer than --context-length as SGLang does. Prefill takes 1 us a prompt token;
 # decode 3 ms a token under mpfa (MPFA_RECIPE set) and 8 ms under flashinfer, so the ratios have a known sign.
 STAND_IN_SGLANG = textwrap.dedent('''\
@@ -318,6 +318,11 @@ STAND_IN_SGLANG = textwrap.dedent('''\
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path.startswith("/flush_cache"):
+                if os.environ.get("STAND_IN_FLUSH_LOG"):
+                    with open(os.environ["STAND_IN_FLUSH_LOG"], "a") as f:
+                        f.write(f"{args.port} {args.context_length}\\n")
+                return self._send(200, b"Cache flushed.\\n")
             ids, new = req["input_ids"], req["sampling_params"]["max_new_tokens"]
             if len(ids) + new > args.context_length:
                 return self._send(400, b'{"error": "longer than the context length"}')
@@ -388,6 +393,35 @@ def test_fixed_then_mixed_run_write_both_workloads_and_their_ratios(stand_in_sgl
     assert s["mixed_itl_p50_ratio_vs_flashinfer_bf16"]["llama-3.1-8b"] < 0.8
     assert set(s["mixed_ttft_p50_ratio_vs_flashinfer_bf16"]) == {"llama-3.1-8b"}
     assert set(s["wall_time_split_estimate"]) == {"256/flashinfer-bf16", "256/mpfa-qk4pv8"}
+
+
+def test_several_lengths_run_on_one_server_per_configuration(stand_in_sglang, tmp_path, monkeypatch):
+    """--input-len 256,5000 --requests 4,2: one server per configuration (its context fits the longer load and its
+    probe), the radix cache flushed before the second load, and a row per length like a run of that length alone's."""
+    flushes = tmp_path / "flushes.log"
+    monkeypatch.setenv("STAND_IN_FLUSH_LOG", str(flushes))
+    assert tp.main(["--input-len", "256,5000", "--requests", "4,2", "--configs", "flashinfer-bf16,mpfa-qk4pv8",
+                    "--output-len", "16", "--port", str(stand_in_sglang), "--out", str(tmp_path)]) == 0
+    rows = results_io.read(tmp_path / f"{results.RESULT}.json")["rows"]
+    by = {(r["config"], r["input_len"]): r for r in rows}
+    assert set(by) == {(c, n) for c in ("flashinfer-bf16", "mpfa-qk4pv8") for n in (256, 5000)}
+    for (config, n), r in by.items():
+        assert r["status"] == "ok" and r["errors"] == 0 and r["server_lengths"] == [256, 5000]
+        assert r["group"] == f"llama-3.1-8b/in{n}/out16/tp1/{config}"
+        assert r["requests"] == (4 if n == 256 else 2) and r["requests_arg"] == ("4" if n == 256 else "2")
+        assert r["output_tokens"] == r["requests"] * 16 and r["probe_output_tokens"] == 128
+    # one flush per server (before its second load), each on a server whose context fits 5000 + the probe's 128
+    assert flushes.read_text().split("\n")[:-1] == [f"{stand_in_sglang} {5000 + 128 + 64}"] * 2
+    logs = sorted(p.name for p in (tmp_path / "logs" / "e2e").iterdir())
+    assert logs == [f"throughput-llama-3.1-8b-256-5000-{c}.log" for c in ("flashinfer-bf16", "mpfa-qk4pv8")]
+
+
+def test_several_lengths_refusals(tmp_path, capsys):
+    out = ["--out", str(tmp_path)]
+    assert "3 values for 2 --input-len" in _refusal(capsys, ["--input-len", "256,512", "--requests", "1,2,3", *out])
+    assert "each length once" in _refusal(capsys, ["--input-len", "256,256", *out])
+    assert "positive token counts" in _refusal(capsys, ["--input-len", "256,-1", *out])
+    assert "exceeds llama-3.1-8b's 131072 positions" in _refusal(capsys, ["--input-len", "256,131000", *out])
 
 
 def test_publish_moves_a_run_into_place_only_when_every_server_succeeded(stand_in_sglang, tmp_path, monkeypatch,
