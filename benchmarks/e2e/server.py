@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,16 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 120.0):
     with urllib.request.urlopen(req, timeout=timeout) as r:
         body = r.read().decode()
     return json.loads(body) if body.strip().startswith(("{", "[")) else body
+
+
+def flush_radix_cache(base: str, timeout_s: float = 60.0) -> None:
+    """Empty the server's radix cache (SGLang's ``/flush_cache``), so a load's prompts hit nothing an earlier one
+    left. SGLang flushes only when no request runs or waits; ``timeout_s`` lets the last ones drain. A refusal
+    raises with SGLang's reason."""
+    try:
+        http_json(f"{base}/flush_cache?timeout={timeout_s:g}", {}, timeout=timeout_s + 30)
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{base}/flush_cache refused (HTTP {e.code}): {e.read().decode(errors='replace')[:300]}") from None
 
 
 def server_info(base: str) -> dict:

@@ -67,7 +67,7 @@ from benchmarks import meta as bench_meta
 from benchmarks import publish, results_io
 from benchmarks.e2e import results as e2e_results
 from benchmarks.e2e.results import CONFIGS
-from benchmarks.e2e.server import Server, http_json, server_env, server_info, stream_generate
+from benchmarks.e2e.server import Server, flush_radix_cache, server_env, server_info, stream_generate
 from mpfa.recipes import get_recipe
 from mpfa.sglang.kernels import server_kernel_specs
 from mpfa.sglang.model import check_hf_config, read_hf_config
@@ -365,12 +365,6 @@ class Load:
     probe_output: int
 
 
-def flush_radix_cache(base: str) -> None:
-    """Empty the server's radix cache, so a load's prompts hit nothing an earlier load left (SGLang refuses while
-    requests run; ``timeout`` lets the last ones drain)."""
-    http_json(f"{base}/flush_cache?timeout=60", {})
-
-
 def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar) -> list[dict]:
     """One configuration's server under each load in turn (and each load's concurrency-1 probe where it has one):
     a row per load."""
@@ -387,7 +381,7 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar)
                      "concurrency": a.concurrency or len(load.inputs),
                      "requests_arg": a.requests, "fills": a.fills if a.requests == "auto" else None,
                      # which GPU of the host, so runs of parallel queues (one GPU each) say so
-                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "context_length": context})
         if len(loads) > 1:
             rows[-1]["server_lengths"] = [ld.args.input_len for ld in loads]
     builds = mpfa_kernel_builds(config, args.model, args.tp)   # before the server: a failure here costs no GPU time
@@ -397,14 +391,15 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar)
     label = "-".join(workload_label(ld.args) for ld in loads)
     t0 = time.perf_counter()
     done = 0
+    t_load = t0
     try:
         with Server(argv, env, log_dir / f"throughput-{args.model}-{label}-{config}.log", args.port) as srv:
             pool = server_info(srv.base).get("max_total_num_tokens")
+            for row in rows:
+                row.update(startup_s=round(srv.startup_s, 1), max_total_num_tokens=pool)
             for i, (load, row) in enumerate(zip(loads, rows)):
-                t_load = time.perf_counter()
-                row["startup_s"] = round(srv.startup_s, 1)
-                row["max_total_num_tokens"] = pool
                 if i:
+                    t_load = time.perf_counter()
                     flush_radix_cache(srv.base)
                 bar.set_description(f"{config} {workload_title(load.args)}: {len(load.inputs)} requests")
                 results, wall = run_load(args.port, load.inputs, load.args.output_len, load.args.concurrency)
@@ -415,13 +410,17 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar)
                     row.update(run_probe(args.port, load.probe_input, load.probe_output))
                 row["server_alive"] = srv.alive()
                 row["status"] = "ok" if row["errors"] == 0 else "error"
-                # the first load's row carries the server start, as a run of that load alone would
-                row["seconds"] = round(time.perf_counter() - (t0 if i == 0 else t_load), 1)
+                # a load's own time; the first load's includes the server's start, as a run of that load alone would
+                row["seconds"] = round(time.perf_counter() - t_load, 1)
                 done += 1
                 bar.update(1)
+        if done:   # and the last one the server's stop, as a run of it alone would
+            rows[done - 1]["seconds"] = round(time.perf_counter() - t_load, 1)
     except Exception as e:
-        for row in rows[done:]:
-            row.update(status="error", error=f"{type(e).__name__}: {e}", seconds=round(time.perf_counter() - t0, 1))
+        for j, row in enumerate(rows[done:]):
+            # the load that failed: its own time; those never run: none
+            row.update(status="error", error=f"{type(e).__name__}: {e}",
+                       seconds=round(time.perf_counter() - t_load, 1) if j == 0 else None)
             bar.update(1)
     return rows
 

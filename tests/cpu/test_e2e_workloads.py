@@ -319,6 +319,8 @@ STAND_IN_SGLANG = textwrap.dedent('''\
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if self.path.startswith("/flush_cache"):
+                if os.environ.get("STAND_IN_FLUSH_REFUSE"):
+                    return self._send(400, b"Cache not flushed because there are pending requests.")
                 if os.environ.get("STAND_IN_FLUSH_LOG"):
                     with open(os.environ["STAND_IN_FLUSH_LOG"], "a") as f:
                         f.write(f"{args.port} {args.context_length}\\n")
@@ -414,6 +416,20 @@ def test_several_lengths_run_on_one_server_per_configuration(stand_in_sglang, tm
     assert flushes.read_text().split("\n")[:-1] == [f"{stand_in_sglang} {5000 + 128 + 64}"] * 2
     logs = sorted(p.name for p in (tmp_path / "logs" / "e2e").iterdir())
     assert logs == [f"throughput-llama-3.1-8b-256-5000-{c}.log" for c in ("flashinfer-bf16", "mpfa-qk4pv8")]
+
+
+def test_a_refused_flush_fails_the_later_loads_only(stand_in_sglang, tmp_path, monkeypatch):
+    """SGLang refusing the flush (HTTP 400, its reason in the row): the first load's row stays ok, every later load's
+    is an error row with no time of its own, and the run says it failed."""
+    monkeypatch.setenv("STAND_IN_FLUSH_REFUSE", "1")
+    assert tp.main(["--input-len", "256,512,1024", "--requests", "2", "--configs", "mpfa-qk4pv8", "--output-len", "16",
+                    "--no-ttft-probe", "--port", str(stand_in_sglang), "--out", str(tmp_path)]) == 1
+    rows = {r["input_len"]: r for r in results_io.read(tmp_path / f"{results.RESULT}.json")["rows"]}
+    assert rows[256]["status"] == "ok" and rows[256]["seconds"] > 0 and rows[256]["context_length"] == 4096
+    assert rows[512]["status"] == rows[1024]["status"] == "error"
+    assert "flush_cache refused (HTTP 400): Cache not flushed because there are pending requests" in rows[512]["error"]
+    assert rows[512]["seconds"] is not None and rows[1024]["seconds"] is None
+    assert rows[1024]["startup_s"] == rows[256]["startup_s"] and rows[1024]["max_total_num_tokens"] == 4321
 
 
 def test_several_lengths_refusals(tmp_path, capsys):
