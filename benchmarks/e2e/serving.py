@@ -1,6 +1,6 @@
 """SGLang's own serving client against mpfa and SGLang's backends: latency and throughput under Poisson load.
 
-    python -m benchmarks.e2e.serving --rates 0.15,0.3,0.5 [--configs ...] [--prompts 100] [--publish]
+    python -m benchmarks.e2e.serving --rates 0.25,0.4,0.55 [--configs ...] [--prompts 100] [--publish]
 
 Per configuration one server, then per request rate (lowest first) one run of SGLang's client:
 
@@ -16,8 +16,15 @@ with the served YAML (server_configs/llama-3.1-8b-<recipe>.yaml, written to a te
 tokenizer and the context length instead of --skip-tokenizer-init), the peers through
 ``python -m sglang.launch_server`` with the same model, dummy weights, page size, memory fraction and context
 length (``sglang-fa3-bf16``, ``sglang-fa3-fp8kv``: SGLang's fa3 backend, its default on Hopper, with a BF16 or
-FP8 KV cache; ``flashinfer-bf16``). The tokenizer is SmolLM2's (``python -m benchmarks.e2e.smollm2_hf``): its ids
-are valid for the dummy Llama shape, and the server needs one to stream text, which bench_serving times.
+FP8 KV cache; ``flashinfer-bf16``). The tokenizer is a word-level one over the model's whole vocabulary, written
+into the run's temporary folder (``benchmarks.e2e.synthetic_tokenizer``): the server needs one to stream text, which
+bench_serving times, and with it every id the dummy weights generate is a word (a borrowed smaller tokenizer would
+decode most of them to nothing and delay TTFT to the first id it knows).
+
+Before each rate the server's radix cache is flushed (and bench_serving flushes it again after its warmup); a rate
+whose client fails while the server still runs is run once more. Rows are written after every rate, and
+bench_serving's JSONL output is kept beside the server logs (``logs/serving``), so a run cut short keeps what it
+finished.
 
 Rows (one per configuration and rate) carry what bench_serving reports: output throughput, TTFT, ITL and
 end-to-end latency (mean, p50, p90, p99), completed requests. They go to ``<out>/serving_h200.json``, replacing
@@ -40,7 +47,8 @@ from benchmarks import meta as bench_meta
 from benchmarks import publish, results_io
 from benchmarks.e2e import results as e2e_results
 from benchmarks.e2e import throughput
-from benchmarks.e2e.server import Server, server_env, server_info
+from benchmarks.e2e import synthetic_tokenizer
+from benchmarks.e2e.server import Server, flush_radix_cache, server_env, server_info
 
 RESULT = "serving_h200"
 PROG = "python -m benchmarks.e2e.serving"
@@ -50,7 +58,6 @@ DEFAULT_CONFIGS = CONFIGS[:5]   # the comparison the serving results lead with; 
 HEADLINE = "mpfa-qk4pv8"
 PEERS = {"sglang-fa3-bf16": "sglang_fa3_bf16", "sglang-fa3-fp8kv": "sglang_fa3_fp8kv"}
 MODEL = "llama-3.1-8b"
-TOKENIZER = REPO / "server_configs" / "models" / "smollm2-135m"
 INPUT_MAX, OUTPUT_MAX, RANGE_RATIO = 65536, 1024, 1 / 64
 PORT = 30641
 # bench_serving's result fields a row keeps (its JSONL line also has the server's whole /server_info)
@@ -62,15 +69,20 @@ RATIOS = (("median_ttft_ms", "ttft_p50"), ("p99_itl_ms", "itl_p99"), ("median_e2
           ("output_throughput", "output_throughput"))
 
 
+def tokenizer_dir(tmp: Path) -> Path:
+    """Where a run's tokenizer is (benchmarks.e2e.synthetic_tokenizer, written by main into its temporary folder)."""
+    return Path(tmp) / "tokenizer"
+
+
 def mpfa_yaml(recipe: str, context: int, tmp: Path) -> Path:
-    """The served YAML of ``recipe`` as a copy in ``tmp`` that names the model by absolute path, the SmolLM2
+    """The served YAML of ``recipe`` as a copy in ``tmp`` that names the model by absolute path, the run's
     tokenizer instead of --skip-tokenizer-init, and ``context`` tokens of context."""
     import yaml
     src = REPO / "server_configs" / f"{MODEL}-{recipe}.yaml"
     doc = yaml.safe_load(src.read_text())
     doc["model"] = str((src.parent / doc["model"]).resolve())
     doc["sglang"].pop("skip-tokenizer-init", None)
-    doc["sglang"].update({"tokenizer-path": str(TOKENIZER), "context-length": context})
+    doc["sglang"].update({"tokenizer-path": str(tokenizer_dir(tmp)), "context-length": context})
     out = tmp / f"{recipe}.yaml"
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
@@ -82,14 +94,14 @@ def server_command(config: str, context: int, port: int, tmp: Path) -> tuple[lis
         yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp)
         return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port)], {}
     argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=1, port=port)
-    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(TOKENIZER)]
+    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
     return argv, env
 
 
-def client_command(port: int, rate: float, prompts: int, seed: int, out_file: Path) -> list:
+def client_command(port: int, rate: float, prompts: int, seed: int, out_file: Path, tokenizer: Path) -> list:
     """SGLang's serving client for one rate (the module docstring's command)."""
     return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
-            "--model", str(throughput.MODELS[MODEL]), "--tokenizer", str(TOKENIZER), "--dataset-name", "random-ids",
+            "--model", str(throughput.MODELS[MODEL]), "--tokenizer", str(tokenizer), "--dataset-name", "random-ids",
             "--tokenize-prompt", "--random-input-len", str(INPUT_MAX), "--random-output-len", str(OUTPUT_MAX),
             "--random-range-ratio", repr(RANGE_RATIO), "--num-prompts", str(prompts), "--request-rate", repr(rate),
             "--seed", str(seed), "--flush-cache", "--warmup-requests", "2", "--disable-tqdm", "--output-file", str(out_file)]
@@ -144,48 +156,72 @@ def merge(previous: list[dict], new: list[dict]) -> list[dict]:
                   key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
 
 
-def run_config(config: str, args, rates: list[float], tmp: Path, log_dir: Path, bar) -> list[dict]:
-    """One server, every rate against it; a failure becomes error rows."""
+def client_timeout_s(rate: float, prompts: int) -> float:
+    """How long one rate's client may take: twice its arrivals (above saturation the backlog drains after them),
+    and 20 minutes for the last requests and the client's own start."""
+    return 2 * prompts / rate + 1200
+
+
+def run_rate(config: str, args, rate: float, srv, base: dict, out_dir: Path, tokenizer: Path) -> dict:
+    """One rate against a running server: the radix cache flushed, then SGLang's client; a client that fails while
+    the server still runs gets one more try (bench_serving stops at a flush SGLang refuses)."""
+    out_file = out_dir / f"{config}-{rate:g}.jsonl"
+    for attempt in (1, 2):
+        out_file.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        try:
+            flush_radix_cache(srv.base)
+            client = subprocess.run(client_command(args.port, rate, args.prompts, args.seed, out_file, tokenizer),
+                                    cwd=REPO, capture_output=True, text=True, env=server_env(HF_HUB_OFFLINE="1"),
+                                    timeout=client_timeout_s(rate, args.prompts))
+            returncode, stderr = client.returncode, client.stderr
+        except (subprocess.TimeoutExpired, RuntimeError) as e:
+            returncode, stderr = None, f"{type(e).__name__}: {e}"
+        row = {**base, "rate": rate, "seconds": round(time.perf_counter() - t0, 1), "attempts": attempt,
+               "startup_s": round(srv.startup_s, 1)}
+        try:
+            row.update(client_row(out_file))
+            row["status"] = "ok" if returncode == 0 and row["completed"] == args.prompts else "error"
+            if row["status"] != "ok":
+                row["error"] = f"exit {returncode}, {row['completed']} of {args.prompts} completed"
+        except RuntimeError as e:
+            row.update(status="error", error=f"{e}; client: {stderr[-800:]}")
+        if row["status"] == "ok" or not srv.alive():
+            return row
+    return row
+
+
+def run_config(config: str, args, rates: list[float], tmp: Path, log_dir: Path, bar, on_row) -> None:
+    """One server, every rate against it (``on_row`` gets each rate's row as it ends); a failure becomes error rows."""
     context = throughput.server_context_length(INPUT_MAX, OUTPUT_MAX, throughput.model_config(MODEL)["max_position_embeddings"])
     argv, extra = server_command(config, context, args.port, tmp)
-    rows = []
     base = {"part": "serving", "config": config, "model": MODEL, "prompts": args.prompts, "seed": args.seed,
             "input_len_range": [int(INPUT_MAX * RANGE_RATIO), INPUT_MAX],
-            "output_len_range": [int(OUTPUT_MAX * RANGE_RATIO), OUTPUT_MAX], "dataset": "random-ids"}
+            "output_len_range": [int(OUTPUT_MAX * RANGE_RATIO), OUTPUT_MAX], "dataset": "random-ids",
+            "tokenizer": "synthetic word-level, the model's vocabulary"}
+    done: set = set()
+    log_dir.mkdir(parents=True, exist_ok=True)
     try:
         if config.startswith("mpfa-"):   # the server's kernels, built (or found) before it starts
             subprocess.run([sys.executable, "-m", "mpfa.sglang.warmup", argv[3]], check=True, cwd=REPO,
-                           stdout=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, timeout=1800)
         with Server(argv, server_env(**extra, HF_HUB_OFFLINE="1"), log_dir / f"serving-{config}.log", args.port) as srv:
-            pool = server_info(srv.base).get("max_total_num_tokens")
+            base["max_total_num_tokens"] = server_info(srv.base).get("max_total_num_tokens")
             for rate in rates:
                 bar.set_description(f"{config} at {rate} req/s")
-                out_file = tmp / f"{config}-{rate}.jsonl"
-                t0 = time.perf_counter()
-                client = subprocess.run(client_command(args.port, rate, args.prompts, args.seed, out_file), cwd=REPO,
-                                        capture_output=True, text=True, env=server_env(HF_HUB_OFFLINE="1"))
-                row = {**base, "rate": rate, "max_total_num_tokens": pool, "seconds": round(time.perf_counter() - t0, 1),
-                       "startup_s": round(srv.startup_s, 1)}
-                try:
-                    row.update(client_row(out_file))
-                    row["status"] = "ok" if client.returncode == 0 and row["completed"] == args.prompts else "error"
-                    if row["status"] != "ok":
-                        row["error"] = f"exit {client.returncode}, {row['completed']} of {args.prompts} completed"
-                except RuntimeError as e:
-                    row.update(status="error", error=f"{e}; client stderr: {client.stderr[-800:]}")
-                rows.append(row)
+                on_row(run_rate(config, args, rate, srv, base, log_dir, tokenizer_dir(tmp)))
+                done.add(rate)
                 bar.update(1)
     except Exception as e:
-        done = {r["rate"] for r in rows}
-        rows += [{**base, "rate": rate, "status": "error", "error": f"{type(e).__name__}: {e}"} for rate in rates
-                 if rate not in done]
-        bar.update(len(rates) - len(done))
-    return rows
+        for rate in rates:
+            if rate not in done:
+                on_row({**base, "rate": rate, "status": "error", "error": f"{type(e).__name__}: {e}"})
+                bar.update(1)
 
 
 def main(argv=None) -> int:
     ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", required=True, help="comma-separated request rates (req/s), e.g. 0.15,0.3,0.5")
+    ap.add_argument("--rates", required=True, help="comma-separated request rates (req/s), e.g. 0.25,0.4,0.55")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated subset of {', '.join(CONFIGS)} (default: all but mpfa-qk4pv4)")
     ap.add_argument("--prompts", type=int, default=100, help="requests per rate (default %(default)s)")
@@ -203,10 +239,6 @@ def main(argv=None) -> int:
         ap.error(f"--rates: comma-separated request rates above 0 (req/s), got {args.rates!r}")
     if args.prompts < 10:
         ap.error(f"--prompts must be at least 10 (a p99 over fewer is one request), got {args.prompts}")
-    if not (TOKENIZER / "tokenizer.json").exists():
-        print(f"{PROG}: error: no tokenizer in {publish.display(TOKENIZER)}: run python -m benchmarks.e2e.smollm2_hf "
-              "first (the servers stream text, which bench_serving times)", file=sys.stderr)
-        return 2
     why = publish.refusal(PROG, [f"{RESULT}.json"], args.out, need_sglang=True) if args.publish else None
     if why:
         print(why, file=sys.stderr)
@@ -220,12 +252,18 @@ def main(argv=None) -> int:
     meta = e2e_results.with_calls(bench_meta.collect(command, parts=["serving"]), previous["meta"])
     from tqdm import tqdm
     rows: list[dict] = []
+    merged = previous["rows"]
+
+    def on_row(row: dict) -> None:   # written as each rate ends: a run cut short keeps what it finished
+        nonlocal merged
+        rows.append({**row, "commit": meta.get("commit")})
+        merged = merge(previous["rows"], rows)
+        results_io.write(RESULT, meta, summarize(merged), merged, work)
+
     with tempfile.TemporaryDirectory() as tmp, tqdm(total=len(configs) * len(rates), unit="run", file=sys.stderr) as bar:
+        synthetic_tokenizer.write_for_model(throughput.MODELS[MODEL], tokenizer_dir(Path(tmp)))
         for config in configs:
-            rows += [{**r, "commit": meta.get("commit")} for r in run_config(config, args, rates, Path(tmp),
-                                                                              work / "logs" / "serving", bar)]
-            merged = merge(previous["rows"], rows)
-            results_io.write(RESULT, meta, summarize(merged), merged, work)
+            run_config(config, args, rates, Path(tmp), work / "logs" / "serving", bar, on_row)
     try:
         plot(merged, work)
     except RuntimeError as e:   # no matplotlib: the JSON is the result

@@ -4,7 +4,9 @@ model and ``gguf`` are installed)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -352,7 +354,8 @@ def test_server_env_keeps_nvlink_multicast_off_and_drops_mpfa_settings(monkeypat
 
 def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_settings(tmp_path):
     argv, env = serving.server_command("sglang-fa3-fp8kv", 66624, 9, tmp_path)
-    assert "--skip-tokenizer-init" not in argv and argv[argv.index("--tokenizer-path") + 1] == str(serving.TOKENIZER)
+    tok = str(serving.tokenizer_dir(tmp_path))
+    assert "--skip-tokenizer-init" not in argv and argv[argv.index("--tokenizer-path") + 1] == tok
     assert argv[argv.index("--attention-backend") + 1] == "fa3" and argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert argv[argv.index("--page-size") + 1] == "16" and argv[argv.index("--context-length") + 1] == "66624"
     # mpfa through its launcher, from a copy of the served YAML
@@ -361,7 +364,7 @@ def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_setting
     from mpfa.sglang.launch import build_launch
     plan = build_launch(argv[3], env={})
     assert "--skip-tokenizer-init" not in plan.argv and plan.env["MPFA_RECIPE"] == "qk4pv8"
-    assert plan.argv[plan.argv.index("--tokenizer-path") + 1] == str(serving.TOKENIZER)
+    assert plan.argv[plan.argv.index("--tokenizer-path") + 1] == tok
     assert plan.argv[plan.argv.index("--context-length") + 1] == "66624"
     assert plan.argv[plan.argv.index("--page-size") + 1] == "16" and "--load-format" in plan.argv
     # qk4pv4 from its own served YAML, when asked for (not in the default set)
@@ -371,7 +374,7 @@ def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_setting
 
 
 def test_serving_client_is_sglangs_with_the_same_prompts_for_everyone(tmp_path):
-    cmd = serving.client_command(9, 0.3, 100, 1, tmp_path / "x.jsonl")
+    cmd = serving.client_command(9, 0.3, 100, 1, tmp_path / "x.jsonl", tmp_path / "tok")
     assert cmd[1:3] == ["-m", "sglang.bench_serving"]
     flag = lambda f: cmd[cmd.index(f) + 1]
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd and "--flush-cache" in cmd
@@ -394,10 +397,61 @@ def test_serving_summary_sets_the_headline_against_the_fa3_peers_per_rate():
     assert len(merged) == 5 and serving.summarize(merged)["ttft_p50_ratio_vs_sglang_fa3_bf16"]["0.5"] == 0.5
 
 
-def test_serving_refuses_bad_rates_and_a_missing_tokenizer(capsys, monkeypatch, tmp_path):
+def test_serving_refuses_bad_rates(capsys):
     with pytest.raises(SystemExit) as e:
         serving.main(["--rates", "0,fast"])
     assert e.value.code == 2 and "--rates" in capsys.readouterr().err
-    monkeypatch.setattr(serving, "TOKENIZER", tmp_path)
-    assert serving.main(["--rates", "0.3"]) == 2
-    assert "benchmarks.e2e.smollm2_hf" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        serving.main(["--rates", "0.3", "--prompts", "5"])
+    assert e.value.code == 2 and "--prompts must be at least 10" in capsys.readouterr().err
+
+
+def test_synthetic_tokenizer_covers_the_models_vocabulary(tmp_path):
+    """Every id of the dummy Llama's vocabulary is a word (so each streamed token carries text, which
+    bench_serving's TTFT waits for), and the files are what transformers loads as a fast tokenizer."""
+    from benchmarks.e2e import synthetic_tokenizer as st
+    out = st.write_for_model(tp.MODELS["llama-3.1-8b"], tmp_path / "tok")
+    spec = json.loads((out / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    assert spec["model"]["type"] == "WordLevel" and len(vocab) == 128256 == len(set(vocab.values()))
+    assert vocab["t0"] == 0 and vocab["t128255"] == 128255
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and cfg["model_max_length"] == 131072
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package (SGLang brings it) is not installed")
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.get_vocab_size() == 128256 and tok.decode([5, 49152, 128255]) == "t5 t49152 t128255"
+    assert tok.encode("t7 t128000").ids == [7, 128000]
+    with pytest.raises(ValueError, match="at least 2"):
+        st.write(tmp_path / "x", 1, 16)
+
+
+def test_serving_rate_reruns_once_when_the_client_fails_and_the_server_lives(tmp_path, monkeypatch):
+    """A client that fails (bench_serving stops on a refused flush) with the server alive: one more try; the second
+    try's row is kept with ``attempts`` 2. With the server dead: no retry."""
+    calls = []
+
+    class Srv:
+        base, startup_s = "http://127.0.0.1:9", 1.0
+
+        def __init__(self, alive):
+            self._alive = alive
+
+        def alive(self):
+            return self._alive
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--output-file") + 1])
+        ok = len(calls) % 2 == 0
+        if ok:
+            out.write_text(json.dumps({"completed": 10, "output_throughput": 5.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0 if ok else 1, "", "HTTPError 400 flush_cache")
+    monkeypatch.setattr(serving.subprocess, "run", fake_run)
+    monkeypatch.setattr(serving, "flush_radix_cache", lambda base: None)
+    args = SimpleNamespace(port=9, prompts=10, seed=1)
+    row = serving.run_rate("mpfa-qk4pv8", args, 0.3, Srv(True), {"config": "mpfa-qk4pv8"}, tmp_path, tmp_path)
+    assert row["status"] == "ok" and row["attempts"] == 2 and len(calls) == 2
+    calls.clear()
+    row = serving.run_rate("mpfa-qk4pv8", args, 0.3, Srv(False), {"config": "mpfa-qk4pv8"}, tmp_path, tmp_path)
+    assert row["status"] == "error" and row["attempts"] == 1 and len(calls) == 1
+    assert "bench_serving wrote no result" in row["error"] and "flush_cache" in row["error"]
