@@ -3,7 +3,7 @@
 | variable              | meaning                                                    | default              |
 |-----------------------|------------------------------------------------------------|----------------------|
 | MPFA_CACHE_DIR        | where built kernels are kept                               | ~/.cache/mpfa        |
-| MPFA_NVCC             | the nvcc to build with                                     | $CUDA_HOME/bin/nvcc, then PATH, then /usr/local/cuda/bin/nvcc |
+| MPFA_NVCC             | the nvcc to build with                                     | $CUDA_HOME/bin/nvcc, then $CUDA_PATH/bin/nvcc, then PATH, then /usr/local/cuda/bin/nvcc |
 | MPFA_CUDA_ARCH        | target, e.g. ``sm_90a``; set it to build without a GPU     | the current GPU's    |
 | MPFA_JIT_JOBS         | parallel builds in warmup                                  | CPU count, at most 8 |
 | MPFA_JIT_VERBOSE      | 1: log every build command and the compiler's output      | 0                    |
