@@ -87,7 +87,10 @@ Sources, alone and combined (names are the row ``config``):
   ``v4a32h`` ``v4a32`` of V H (H the orthonormal Hadamard matrix; exact: O = (P V H) H^T in the epilogue);
   ``v4a32o8`` / ``v4ato8``: the D/8 channels of largest |V| over the first ``n_cal`` tokens (per layer and
   KV head, fixed) INT8 with one fp16 scale per token, the other 7/8 ``v4a32`` in D/32 groups (28 channels
-  each) / ``v4at``. Each models the prefill kernel: its pre-pass writes today's FP8 V tile from the 4-bit
+  each) / ``v4at``; ``v4a32hr`` ``v4a32h`` with each group's (s, z) refitted by least squares to its codes
+  (:func:`refit_groups`; min/max's kept where no round beats it), ``v4a32hz`` its zero point an integer code
+  (x ~= (q - zp) s, one byte: 180 B per token-head at d128 instead of 184), ``v4a32hzr`` both. Each models the
+  prefill kernel: its pre-pass writes today's FP8 V tile from the 4-bit
   cache, so the dequantized value is rounded once more to E4M3 under V's fixed per-channel scales (of
   V - mu_V or V H where centred or rotated; every INT4 value and code 0..15 is exact in E4M3, but a
   per-token or per-group scale cannot be applied after an FP8 PV MMA). Suffixes: ``~s`` the first
@@ -300,19 +303,26 @@ K_FORMATS = {
 class V4(NamedTuple):
     """A 4-bit V format: ``group`` channels per scale (None: one per token), ``asym`` codes 0..15 with a zero
     point (else INT4 in [-7, 7]), ``outliers`` D/8 channels INT8 per token, ``rotate`` Hadamard of the
-    channels, ``centre`` V - mu_V."""
+    channels, ``centre`` V - mu_V; asymmetric only: ``zp_code`` the zero point an integer code (one byte, x ~=
+    (q - zp) s) instead of an fp16 value, ``refit`` the group's scale and zero point refitted by least squares
+    to its codes (:func:`refit_groups`) instead of min/max's."""
     group: int | None
     asym: bool
     outliers: bool = False
     rotate: bool = False
     centre: bool = False
+    zp_code: bool = False
+    refit: bool = False
 
 
 V4_FORMATS = {
     "v4t": V4(None, False), "v4b32": V4(32, False), "v4b32m": V4(32, False, centre=True),
     "v4at": V4(None, True), "v4a32": V4(32, True), "v4a32h": V4(32, True, rotate=True),
     "v4a32o8": V4(32, True, outliers=True), "v4ato8": V4(None, True, outliers=True),
+    "v4a32hr": V4(32, True, rotate=True, refit=True), "v4a32hz": V4(32, True, rotate=True, zp_code=True),
+    "v4a32hzr": V4(32, True, rotate=True, zp_code=True, refit=True),
 }
+REFIT_ROUNDS = 4       # refit_groups: least-squares (scale, zero point) and codes, alternated
 ASYM_MAX = 15
 
 
@@ -323,23 +333,65 @@ def _fp16_scale(s: torch.Tensor) -> torch.Tensor:
     return torch.where(h > 0, h, torch.ones_like(h))
 
 
-def int4_groups(x: torch.Tensor, group: int, *, asym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _asym_params(lo: torch.Tensor, hi: torch.Tensor, zp_code: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, z) of the range [lo, hi] (``[..., 1]``) as stored: s = (hi - z) / 15 in fp16 with the zero point z =
+    lo in fp16, or with ``zp_code`` s = (hi - lo) / 15 and z = -zp s for the integer code zp = rni(-lo / s) in
+    0..15 (zero is then exact and the zero point takes one byte)."""
+    if zp_code:
+        s = _fp16_scale(amax_scale(hi[..., 0] - lo[..., 0], ASYM_MAX)).unsqueeze(-1)
+        return s, -I8.rni(-lo / s).clamp(0, ASYM_MAX) * s
+    z = lo.half().float()
+    return _fp16_scale(amax_scale(hi[..., 0] - z[..., 0], ASYM_MAX)).unsqueeze(-1), z
+
+
+def _asym_codes(g: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes 0..15 of ``g [..., group]`` under (s, z) and their values q s + z."""
+    q = I8.quantize_int(g - z, s, ASYM_MAX).clamp(min=0)
+    return q, q.float() * s + z
+
+
+def refit_groups(g: torch.Tensor, s: torch.Tensor, z: torch.Tensor, zp_code: bool):
+    """Least-squares refinement of each group's (s, z) from min/max's: REFIT_ROUNDS times, the (s, z) that fit the
+    current codes best (a line through (q, x)), stored as the format stores them, then the codes again; per group
+    the best round (min/max's included, so never worse). Returns (s, z)."""
+    q, deq = _asym_codes(g, s, z)
+    best = (deq - g).square().sum(dim=-1, keepdim=True)
+    n = g.shape[-1]
+    for _ in range(REFIT_ROUNDS):
+        qf = q.float()
+        sq, sx, sqq, sqx = qf.sum(-1, True), g.sum(-1, True), qf.square().sum(-1, True), (qf * g).sum(-1, True)
+        den = n * sqq - sq * sq
+        fit_s = torch.where(den > 0, (n * sqx - sq * sx) / den.clamp_min(1e-30), s)
+        fit_z = torch.where(den > 0, (sx - fit_s * sq) / n, z)
+        lo, hi = fit_z, fit_z + ASYM_MAX * fit_s.clamp_min(0)
+        ns, nz = _asym_params(lo, hi, zp_code)
+        q_new, deq = _asym_codes(g, ns, nz)
+        err = (deq - g).square().sum(dim=-1, keepdim=True)
+        take = err < best
+        s, z, best = torch.where(take, ns, s), torch.where(take, nz, z), torch.where(take, err, best)
+        q = torch.where(take, q_new, q)
+    return s, z
+
+
+def int4_groups(x: torch.Tensor, group: int, *, asym: bool, zp_code: bool = False,
+                refit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit codes of ``x [..., n]`` in groups of ``group`` consecutive channels: symmetric INT4 in [-7, 7]
     with s = amax / 7, or asymmetric codes 0..15 with s = (max - z) / 15 and the zero point z = min
     (x ~= q * s + z). s and z are rounded to fp16 first, then the codes computed from them (one
     reciprocal per group, a multiply per element, rni, clamp: :func:`mpfa.recipes.int8.quantize_int`).
-    Returns (codes int8 ``[..., n]``, dequantized float32 ``[..., n]``)."""
+    Asymmetric only: ``zp_code`` / ``refit`` as :class:`V4` says. Returns (codes int8 ``[..., n]``, dequantized
+    float32 ``[..., n]``)."""
     g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
     if asym:
-        z = g.amin(dim=-1).half().float().unsqueeze(-1)
-        s = _fp16_scale(amax_scale(g.amax(dim=-1) - z[..., 0], ASYM_MAX)).unsqueeze(-1)
-        q = I8.quantize_int(g - z, s, ASYM_MAX).clamp(min=0)
-        deq = q.float() * s + z
+        s, z = _asym_params(g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True), zp_code)
+        if refit:
+            s, z = refit_groups(g, s, z, zp_code)
+        q, deq = _asym_codes(g, s, z)
     else:
         s = _fp16_scale(amax_scale(g.abs().amax(dim=-1), INT4_MAX)).unsqueeze(-1)
         q = I8.quantize_int(g, s, INT4_MAX)
         deq = q.float() * s
-    return q.reshape(x.shape), deq.reshape(x.shape)
+    return q.to(torch.int8).reshape(x.shape), deq.reshape(x.shape)
 
 
 def v4_outlier_channels(v_cal: torch.Tensor) -> torch.Tensor:
@@ -355,7 +407,7 @@ def v4_quantize(x: torch.Tensor, fmt: V4, outliers: torch.Tensor | None = None) 
     form D / group groups (28 channels each for 32) in channel order, or one group for a per-token format."""
     d = x.shape[-1]
     if not fmt.outliers:
-        return int4_groups(x, fmt.group or d, asym=fmt.asym)[1]
+        return int4_groups(x, fmt.group or d, asym=fmt.asym, zp_code=fmt.zp_code, refit=fmt.refit)[1]
     order = torch.argsort(outliers.int(), dim=-1, stable=True).expand_as(x)    # the 4-bit channels, then the INT8 ones
     xs = x.float().gather(-1, order)
     n4 = d - d // 8
@@ -400,7 +452,8 @@ def v4_bytes(name: str, head_dim: int = 128) -> int:
     n8 = head_dim // 8 if fmt.outliers else 0
     groups = head_dim // fmt.group if fmt.group else 1
     params = groups * (2 if fmt.asym else 1) + (1 if fmt.outliers else 0)
-    return _pad4(n8) + _pad4((head_dim - n8) // 2) + _pad4(2 * params)
+    param_bytes = 2 * params - (groups if fmt.zp_code else 0)     # a code zero point is one byte, not two
+    return _pad4(n8) + _pad4((head_dim - n8) // 2) + _pad4(param_bytes)
 
 
 def cache_bytes(cfg: dict, head_dim: int = 128) -> dict:
