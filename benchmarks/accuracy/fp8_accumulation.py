@@ -71,22 +71,18 @@ def accumulate(a, b, *, step: int, bits: int, acc_mode: str):
     """``a [r, k] @ b [k, c]`` (float64 holding E4M3 values) summed as an FP8 MMA might: per k-step of ``step``
     products, the products (and, for ``aligned``, the accumulator too) aligned to the largest one's leading bit and
     truncated toward zero ``bits`` below it; ``aligned`` keeps the accumulator on that grid, ``fp32_rn`` / ``fp32_rz``
-    add the step's aligned sum to an fp32 accumulator rounding to nearest / toward zero. (aligned, 32, 13) is the
-    rule of mpfa.reference.prefill_kernel.tensor_core_pv."""
+    add the step's aligned sum to an fp32 accumulator rounding to nearest / toward zero. ``aligned`` is
+    mpfa.reference.prefill_kernel.tensor_core_pv (the prefill model's rule at k-step 32, 13 bits) over one tile."""
     import torch
-
-    def grid(big):
-        return torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - bits)
-
+    from mpfa.reference.prefill_kernel import tensor_core_pv
+    if acc_mode == "aligned":
+        return tensor_core_pv(a.unsqueeze(0), b.unsqueeze(1), a.shape[1], mma_k=step, bits=bits)[0, 0]
     terms = a[:, :, None] * b[None, :, :]                                     # [r, k, c], exact
     acc = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float64, device=a.device)
     for k0 in range(0, a.shape[1], step):
         t = terms[:, k0:k0 + step]
-        if acc_mode == "aligned":
-            ulp = grid(torch.maximum(acc.abs(), t.abs().amax(dim=1)))
-            acc = torch.trunc(acc / ulp) * ulp + (torch.trunc(t / ulp[:, None]) * ulp[:, None]).sum(dim=1)
-            continue
-        ulp = grid(t.abs().amax(dim=1))
+        big = t.abs().amax(dim=1)
+        ulp = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - bits)
         acc = acc + (torch.trunc(t / ulp[:, None]) * ulp[:, None]).sum(dim=1)
         if acc_mode == "fp32_rn":
             acc = acc.float().double()

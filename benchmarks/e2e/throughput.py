@@ -372,6 +372,8 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar)
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=args.port, weights=args.weights)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
+    builds = mpfa_kernel_builds(config, args.model, args.tp)   # before the server: a failure here costs no GPU time
+    lengths = [ld.args.input_len for ld in loads]
     rows = []
     for load in loads:
         a, input_lens = load.args, [len(x) for x in load.inputs]
@@ -381,13 +383,9 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar)
                      "concurrency": a.concurrency or len(load.inputs),
                      "requests_arg": a.requests, "fills": a.fills if a.requests == "auto" else None,
                      # which GPU of the host, so runs of parallel queues (one GPU each) say so
-                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "context_length": context})
-        if len(loads) > 1:
-            rows[-1]["server_lengths"] = [ld.args.input_len for ld in loads]
-    builds = mpfa_kernel_builds(config, args.model, args.tp)   # before the server: a failure here costs no GPU time
-    for row in rows:
-        if builds:
-            row["mpfa_kernels"] = builds
+                     "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "context_length": context,
+                     **({"server_lengths": lengths} if len(loads) > 1 else {}),
+                     **({"mpfa_kernels": builds} if builds else {})})
     label = "-".join(workload_label(ld.args) for ld in loads)
     t0 = time.perf_counter()
     done = 0

@@ -1,5 +1,6 @@
 """The FP8 MMA accumulation variants the GPU study scores (benchmarks.accuracy.fp8_accumulation.accumulate): the
-``aligned`` one at k-step 32, 13 bits is the prefill model's rule, and each variant behaves as its name says."""
+``aligned`` one at k-step 32, 13 bits is the prefill model's rule (tensor_core_pv at its defaults, as the GPU test
+runs it), and each variant behaves as its name says."""
 import pytest
 import torch
 
@@ -22,6 +23,9 @@ def test_aligned_k32_b13_is_the_prefill_models_rule(k):
     got = accumulate(a, b, step=MMA_K, bits=MMA_BITS, acc_mode="aligned")
     assert torch.equal(got, want)
     assert not torch.equal(got, a @ b), "wide-range products must lose bits under the rule"
+    # the k-step and the bits reach the rule: another of either gives other sums on these operands
+    assert not torch.equal(accumulate(a, b, step=16, bits=MMA_BITS, acc_mode="aligned"), want)
+    assert not torch.equal(accumulate(a, b, step=MMA_K, bits=MMA_BITS + 1, acc_mode="aligned"), want)
 
 
 @pytest.mark.parametrize("acc_mode", ACC_MODES)

@@ -420,12 +420,14 @@ MMA_K = 32          # keys per FP8 wgmma k-step (the PV product's K)
 MMA_BITS = 13       # bits kept below the largest addend's leading bit in a k-step's aligned sum
 
 
-def tensor_core_pv(p8: torch.Tensor, v8: torch.Tensor, kv_tile: int) -> torch.Tensor:
-    """Each 128-key tile's P V sum as the FP8 MMA accumulates it: ``p8 [H, n, m]`` the E4M3 P values, ``v8 [m, H,
-    D]`` the E4M3 V operand (both exact in float64). Per tile a fresh accumulator; per k-step of MMA_K keys the
+def tensor_core_pv(p8: torch.Tensor, v8: torch.Tensor, kv_tile: int, *, mma_k: int = MMA_K,
+                   bits: int = MMA_BITS) -> torch.Tensor:
+    """Each ``kv_tile``-key tile's P V sum as the FP8 MMA accumulates it: ``p8 [H, n, m]`` the E4M3 P values, ``v8 [m,
+    H, D]`` the E4M3 V operand (both exact in float64). Per tile a fresh accumulator; per k-step of ``mma_k`` keys the
     accumulator and the products p_j v_j are aligned to the largest one's exponent e (of |.|, per output element),
-    each truncated toward zero to a multiple of 2^(e - MMA_BITS), and summed (exactly: at most ~20 significant
-    bits). Returns ``[T, H, n, D]`` float64."""
+    each truncated toward zero to a multiple of 2^(e - ``bits``), and summed (exactly: at most ~20 significant
+    bits). ``mma_k`` and ``bits`` other than the kernel's: variants for benchmarks.accuracy.fp8_accumulation.
+    Returns ``[T, H, n, D]`` float64."""
     heads, n, m = p8.shape
     d = v8.shape[-1]
     tiles = -(-m // kv_tile)
@@ -433,11 +435,11 @@ def tensor_core_pv(p8: torch.Tensor, v8: torch.Tensor, kv_tile: int) -> torch.Te
     vt = v8.transpose(0, 1)                                                   # [H, m, D]
     for t in range(tiles):
         acc = torch.zeros((heads, n, d), dtype=_F64, device=p8.device)
-        for k0 in range(t * kv_tile, min(m, (t + 1) * kv_tile), MMA_K):
-            k1 = min(m, k0 + MMA_K, (t + 1) * kv_tile)
+        for k0 in range(t * kv_tile, min(m, (t + 1) * kv_tile), mma_k):
+            k1 = min(m, k0 + mma_k, (t + 1) * kv_tile)
             terms = p8[:, :, k0:k1, None] * vt[:, None, k0:k1, :]            # [H, n, k, D], exact
             big = torch.maximum(acc.abs(), terms.abs().amax(dim=2))
-            ulp = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - MMA_BITS)
+            ulp = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1 - bits)
             acc = torch.trunc(acc / ulp) * ulp + (torch.trunc(terms / ulp.unsqueeze(2)) * ulp.unsqueeze(2)).sum(dim=2)
         out[t] = acc
     return out

@@ -89,8 +89,7 @@ class MpfaTokenToKVPool(KVCache):
     # --- SGLang's KVCache interface -------------------------------------------------------------------------------
     def get_kv_size_bytes(self):
         k = sum(t.numel() * t.element_size() for n, t in self.cache.fields.items() if n.startswith("k"))
-        v = sum(t.numel() * t.element_size() for n, t in self.cache.fields.items() if n.startswith("v"))
-        return k, v
+        return k, self.cache.nbytes - k   # V's fields
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """The layer's compressed K field (``[pages, heads, page_size, ...]``; int8 for quantized
