@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import results_io
+from benchmarks.e2e import runs
 from benchmarks.stats import geomean
 from mpfa_jit.ops.decode import RECIPES
 
@@ -133,6 +134,9 @@ def _label(model: str, *parts) -> str:
 
 
 HEADLINE = "mpfa-qk4pv8"   # the recipe whose ratios over SGLang + FlashInfer the summary reports
+# The fixed-length loads the summary's geomeans span (32K / 64K / 128K positions: 130048 + 1,024 output tokens
+# fill Llama-3.1-8B's 131,072): a geomean over some of them would not be the same figure.
+GEOMEAN_LENGTHS = (32768, 65536, 130048)
 
 
 def _throughput_rows(rows: list[dict], workload: str, weights: str | None = None) -> list[dict]:
@@ -143,17 +147,36 @@ def _throughput_rows(rows: list[dict], workload: str, weights: str | None = None
             and r.get("quantization") == weights]
 
 
-def _headline_over(measured: dict[tuple, dict], field: str, peer: str) -> dict[tuple, float]:
-    """{place: HEADLINE's ``field`` / ``peer``'s} for each place (a key of ``measured`` less its last item,
-    the configuration) where both rows have the field and ran the same load; missing rows or fields, or two
-    request counts (a rerun of one configuration with other --fills), leave the place out."""
+def _measured(rows: list[dict], place) -> tuple[dict[tuple, dict], dict[tuple, list[dict]]]:
+    """({(*place, config): the newest row}, {place: the headline's rows, oldest first}) of ``rows``: a place can
+    hold older headline rows that a peer's ratio still pairs with (``runs``)."""
+    newest, heads = {}, {}
+    for r in rows:
+        newest[(*place(r), r["config"])] = r
+        if r["config"] == HEADLINE:
+            heads.setdefault(place(r), []).append(r)
+    return newest, heads
+
+
+def _pairs(measured: tuple[dict, dict], field: str, peer: str) -> dict[tuple, tuple[dict, dict]]:
+    """{place: (headline row, ``peer``'s row)} where both were measured in one run (``runs.partner``), ran the
+    same load and have ``field``; missing rows or fields, another run's or another load's rows leave it out."""
+    newest, heads = measured
     out = {}
-    for key in sorted(measured):
+    for key in sorted(newest, key=str):
         *place, config = key
-        r, other = measured[key], measured.get((*place, peer))
-        if config == HEADLINE and other and r.get(field) and other.get(field) and _same_load(r, other):
-            out[tuple(place)] = r[field] / other[field]
+        if config != peer:
+            continue
+        other = newest[key]
+        r = runs.partner(heads.get(tuple(place), []), other)
+        if r and r.get(field) and other.get(field) and _same_load(r, other):
+            out[tuple(place)] = (r, other)
     return out
+
+
+def _headline_over(measured: tuple[dict, dict], field: str, peer: str) -> dict[tuple, float]:
+    """{place: HEADLINE's ``field`` / ``peer``'s} over the pairs of one run (``_pairs``)."""
+    return {place: r[field] / other[field] for place, (r, other) in _pairs(measured, field, peer).items()}
 
 
 def _same_load(a: dict, b: dict) -> bool:
@@ -165,20 +188,23 @@ def _throughput_summary(rows: list[dict]) -> dict:
     """Output-throughput ratios of mpfa qk4pv8 over each peer (SGLang's fa3 and FlashInfer backends, BF16 and FP8
     KV) per model and input length (TP 1), their geometric means for Llama-3.1-8B, the FP8-weights rows' ratios,
     TTFT and ITL at concurrency 1, the mixed workload's ratios, soak and TP checks."""
-    tput = {(r["model"], r["input_len"], r["config"]): r for r in _throughput_rows(rows, "fixed")}
+    by_length = lambda r: (r["model"], r["input_len"])   # noqa: E731
+    fixed = _measured(_throughput_rows(rows, "fixed"), by_length)
+    tput = fixed[0]
     out: dict = {}
     for peer, suffix in PEERS.items():
         key = f"output_throughput_ratio_vs_{suffix}"
-        over = _headline_over(tput, "output_throughput", peer)
-        if over:
-            out[key] = {_label(*place): v for place, v in over.items()}
-            llama = {place: v for place, v in over.items() if place[0] == "llama-3.1-8b"}
-            # one figure for one build: a geomean over lengths measured with different mpfa kernels (a rerun
-            # of some lengths only) would blend two, so it waits for the rest of the rerun
-            builds = {_build(tput[(*place, HEADLINE)]) for place in llama}
-            if llama and len(builds) == 1:
-                out[key + "_geomean"] = geomean(list(llama.values()))
-    fp8w = {(r["model"], r["input_len"], r["config"]): r for r in _throughput_rows(rows, "fixed", FP8_WEIGHTS)}
+        pairs = _pairs(fixed, "output_throughput", peer)
+        if pairs:
+            out[key] = {_label(*place): r["output_throughput"] / p["output_throughput"] for place, (r, p) in pairs.items()}
+            llama = {place[1]: pair for place, pair in pairs.items() if place[0] == "llama-3.1-8b"}
+            # one figure over the three lengths for one build: a geomean over some lengths, or over lengths
+            # measured with different mpfa kernels (a rerun of some lengths only), would blend figures
+            builds = {_build(r) for r, _ in llama.values()}
+            if set(GEOMEAN_LENGTHS) <= set(llama) and len(builds) == 1:
+                out[key + "_geomean"] = geomean([llama[n][0]["output_throughput"] / llama[n][1]["output_throughput"]
+                                                 for n in GEOMEAN_LENGTHS])
+    fp8w = _measured(_throughput_rows(rows, "fixed", FP8_WEIGHTS), by_length)
     for peer, suffix in PEERS.items():
         over = _headline_over(fp8w, "output_throughput", peer)
         if over:
@@ -186,16 +212,19 @@ def _throughput_summary(rows: list[dict]) -> dict:
     # a lone request's latencies: TTFT is its prefill, the ITL (mean: its whole decode over its tokens) its decode
     for field, key in (("ttft_concurrency1_s", "ttft_concurrency1_ratio_vs_flashinfer_bf16"),
                        ("itl_concurrency1_mean_ms", "itl_concurrency1_ratio_vs_flashinfer_bf16")):
-        ratios = {_label(*place): v for place, v in _headline_over(tput, field, "flashinfer-bf16").items()}
+        ratios = {_label(*place): v for place, v in _headline_over(fixed, field, "flashinfer-bf16").items()}
         if ratios:
             out[key] = ratios
     out.update(_mixed_summary(rows))
     measured = {**{_label(m, n, c): r for (m, n, c), r in tput.items()},
-                **{_label(m, n, c, f"{FP8_WEIGHTS}-weights"): r for (m, n, c), r in fp8w.items()},
+                **{_label(m, n, c, f"{FP8_WEIGHTS}-weights"): r for (m, n, c), r in fp8w[0].items()},
                 **{_label(r["model"], "mixed", r["config"]): r for r in _throughput_rows(rows, "mixed")}}
+    # older headline rows a peer's ratio still pairs with (runs.merge keeps them): ``<label>@<commit>``
+    measured.update({f"{_label(*place, HEADLINE)}@{str(r.get('commit') or '?')[:7]}": r
+                     for place, heads in fixed[1].items() for r in heads[:-1]})
     if measured:
-        # Rows of one results file can come from different runs and builds (a rerun replaces only its own
-        # lengths): each ratio above is only as current as its two rows, so the summary names them.
+        # Rows of one results file come from different runs and builds (a rerun replaces only its own rows):
+        # each ratio pairs two rows of one run, and the summary names every row's commit and load.
         out["throughput_rows_measured"] = {k: _provenance(r) for k, r in sorted(measured.items())}
     # Where a run's wall time goes: SGLang runs prefill chunks and decode batches in turn, and N requests'
     # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes").
@@ -239,7 +268,7 @@ def _provenance(row: dict) -> str:
 def _mixed_summary(rows: list[dict]) -> dict:
     """The mixed workload's ratios of mpfa qk4pv8 over SGLang + FlashInfer BF16, per model: output
     throughput, TTFT p50 (all requests) and ITL p50."""
-    mixed = {(r["model"], r["config"]): r for r in _throughput_rows(rows, "mixed")}
+    mixed = _measured(_throughput_rows(rows, "mixed"), lambda r: (r["model"],))
     out = {}
     for field, key in (("output_throughput", "mixed_output_throughput_ratio_vs_flashinfer_bf16"),
                        ("ttft_p50_s", "mixed_ttft_p50_ratio_vs_flashinfer_bf16"),
@@ -255,12 +284,19 @@ def _merge_key(r: dict) -> tuple:
     return r.get("part"), r.get("prompt_set"), r.get("group")
 
 
+def _pair_place(r: dict) -> tuple | None:
+    """Where a throughput row's ratios pair it with another configuration's: its group less the configuration."""
+    if r.get("part") != "throughput" or not r.get("group"):
+        return None
+    return tuple(p for p in r["group"].split("/") if p != r.get("config"))
+
+
 def merge_rows(previous: list[dict], new: list[dict]) -> list[dict]:
     """The file's rows after a run: what was measured again (same part and prompt set, or same group for
-    the throughput rows) replaces its earlier rows; the rest stay."""
-    fresh = {_merge_key(r) for r in new}
-    kept = [r for r in previous if _merge_key(r) not in fresh]
-    return sorted(kept + new, key=lambda r: ALL_PARTS.index(r["part"]))
+    the throughput rows) replaces its earlier rows, except a headline row a kept peer's ratio pairs with
+    (``runs.merge``); the rest stay."""
+    merged = runs.merge(previous, new, _merge_key, _pair_place, HEADLINE)
+    return sorted(merged, key=lambda r: ALL_PARTS.index(r["part"]))
 
 
 def read_result(out_dir: Path) -> dict:
@@ -275,7 +311,8 @@ def with_calls(meta: dict, previous_meta: dict) -> dict:
     calls = list(previous_meta.get("calls", []))
     if not calls and previous_meta.get("command"):
         calls = [{k: previous_meta.get(k) for k in ("command", "commit", "date", "parts")}]
-    this = {k: meta.get(k) for k in ("command", "commit", "date", "parts")}
+    meta = {**meta, "run": meta.get("run") or runs.current(meta.get("commit"))}
+    this = {k: meta.get(k) for k in ("command", "commit", "date", "parts", "run")}
     return {**meta, "calls": calls + [this]}
 
 
@@ -294,15 +331,19 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         return []
     from benchmarks import plots
     groups = sorted({(r["model"], r["input_len"]) for r in ok})
-    by = {(r["model"], r["input_len"], r["config"]): r for r in ok}
+    measured = _measured(ok, lambda r: (r["model"], r["input_len"]))
+    by = measured[0]
     val = plotted_throughput(by)
     configs = [c for c in CONFIGS if any(key[2] == c for key in val)]
-
-    def label(m, n):   # the headline ratio under each group, where both were measured, and its build
-        b, q = val.get((m, n, "flashinfer-bf16")), val.get((m, n, HEADLINE))
-        build = str(by.get((m, n, HEADLINE), {}).get("commit") or "")[:7]
-        return f"{m} {n:,} in" + (f"\nqk4pv8 {q / b:.2f}x bf16 ({build})" if b and q else "")
-    labels = [label(m, n) for m, n in groups]
+    # under each group the headline's ratio over SGLang's default (fa3 BF16) where measured in one run with it,
+    # else over fa3 FP8-KV, else over FlashInfer BF16; and the commit of that run
+    ratio = {}
+    for peer, name in (("flashinfer-bf16", "flashinfer bf16"), ("sglang-fa3-fp8kv", "fa3 fp8kv"),
+                       ("sglang-fa3-bf16", "fa3 bf16")):
+        for place, (r, other) in _pairs(measured, "output_throughput", peer).items():
+            ratio[place] = (f"\nqk4pv8 {r['output_throughput'] / other['output_throughput']:.2f}x {name}"
+                            f" ({str(r.get('commit') or '')[:7]})")
+    labels = [f"{m} {n:,} in" + ratio.get((m, n), "") for m, n in groups]
     series = {c: [val.get((m, n, c)) for m, n in groups] for c in configs}
     return [plots.bar(labels, series, Path(out_dir) / f"{RESULT}.png", title="SGLang output throughput, H200, 1,024 output tokens",
                       ylabel="output tokens / s")]
@@ -314,6 +355,8 @@ def write_rows(previous_rows: list[dict], new_rows: list[dict], out_dir: Path, m
     a killed run keeps what finished."""
     for r in new_rows:
         r.setdefault("commit", meta.get("commit"))
+        if meta.get("run"):
+            r.setdefault("run", meta["run"])
     rows = merge_rows(previous_rows, new_rows)
     results_io.write(RESULT, meta, summarize(rows), rows, out_dir)
     try:

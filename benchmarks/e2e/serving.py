@@ -46,7 +46,7 @@ from benchmarks import cli
 from benchmarks import meta as bench_meta
 from benchmarks import publish, results_io
 from benchmarks.e2e import results as e2e_results
-from benchmarks.e2e import throughput
+from benchmarks.e2e import runs, throughput
 from benchmarks.e2e import synthetic_tokenizer
 from benchmarks.e2e.server import Server, flush_radix_cache, server_env, server_info
 
@@ -116,33 +116,44 @@ def client_row(out_file: Path) -> dict:
     return {k: res.get(k) for k in FIELDS}
 
 
+def _load(r: dict) -> tuple:
+    """What a row's client sent: the rate, the request count and the seed (prompts and arrival times)."""
+    return r["rate"], r.get("prompts"), r.get("seed")
+
+
 def summarize(rows: list[dict]) -> dict:
     """The rates measured and, per rate, the headline's ratios over each fa3 peer (keys ``<stem>_ratio_vs_<peer>``,
-    dicts keyed by the rate): below 1 for latencies is mpfa faster, above 1 for throughput."""
-    ok = {(r["config"], r["rate"]): r for r in rows if r.get("status") == "ok"}
-    rates = sorted({rate for _, rate in ok})
+    dicts keyed by the rate): below 1 for latencies is mpfa faster, above 1 for throughput. Each ratio pairs the
+    peer's row with the headline row of its run and load (``runs.partner``), and ``pairs_measured`` names the
+    commit of each rate's pair."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    rates = sorted({r["rate"] for r in ok})
     out: dict = {"rates": rates}
+    measured: dict = {}
     for peer, suffix in PEERS.items():
         for field, stem in RATIOS:
             ratios = {}
-            for rate in rates:
-                a, b = ok.get((HEADLINE, rate)), ok.get((peer, rate))
-                if a and b and a.get(field) and b.get(field):
-                    ratios[str(rate)] = a[field] / b[field]
+            for b in (r for r in ok if r["config"] == peer):
+                a = runs.partner([h for h in ok if h["config"] == HEADLINE and _load(h) == _load(b)], b)
+                if a and a.get(field) and b.get(field):
+                    ratios[str(b["rate"])] = a[field] / b[field]
+                    measured.setdefault(suffix, {})[str(b["rate"])] = str(a.get("commit") or "?")[:7]
             if ratios:
-                out[f"{stem}_ratio_vs_{suffix}"] = ratios
+                out[f"{stem}_ratio_vs_{suffix}"] = dict(sorted(ratios.items(), key=lambda kv: float(kv[0])))
+    if measured:
+        out["pairs_measured"] = measured
     return out
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     from benchmarks import plots
-    ok = [r for r in rows if r.get("status") == "ok"]
-    rates = sorted({r["rate"] for r in ok})
+    newest = {(r["config"], r["rate"]): r for r in rows if r.get("status") == "ok"}   # rows run oldest first
+    rates = sorted({rate for _, rate in newest})
     paths = []
     for field, name, unit in (("median_ttft_ms", "TTFT p50", "ms"), ("p99_itl_ms", "ITL p99", "ms"),
                               ("median_e2e_latency_ms", "end-to-end latency p50", "ms")):
-        series = {c: [next((r[field] for r in ok if r["config"] == c and r["rate"] == x), None) for x in rates]
-                  for c in CONFIGS if any(r["config"] == c for r in ok)}
+        series = {c: [newest.get((c, x), {}).get(field) for x in rates]
+                  for c in CONFIGS if any(config == c for config, _ in newest)}
         stem = name.split()[0].lower().replace("-", "_")
         paths.append(plots.line(rates, series, Path(out_dir) / f"{RESULT}_{stem}.png", xlabel="request rate (req/s)",
                                 ylabel=f"{name} ({unit})", title=f"SGLang bench_serving, H200: {name} vs request rate"))
@@ -150,10 +161,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 
 
 def merge(previous: list[dict], new: list[dict]) -> list[dict]:
-    """Rows after a run: a (configuration, rate) measured again replaces its earlier row."""
-    fresh = {(r["config"], r["rate"]) for r in new}
-    return sorted([r for r in previous if (r["config"], r["rate"]) not in fresh] + new,
-                  key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
+    """Rows after a run: a (configuration, rate) measured again replaces its earlier row, except a headline row
+    that a kept peer's ratio pairs with (``runs.merge``); within a configuration and rate the newest comes last."""
+    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"]), _load, HEADLINE)
+    return sorted(merged, key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
 
 
 def client_timeout_s(rate: float, prompts: int) -> float:
@@ -256,7 +267,7 @@ def main(argv=None) -> int:
 
     def on_row(row: dict) -> None:   # written as each rate ends: a run cut short keeps what it finished
         nonlocal merged
-        rows.append({**row, "commit": meta.get("commit")})
+        rows.append({**row, "commit": meta.get("commit"), "run": meta["run"]})
         merged = merge(previous["rows"], rows)
         results_io.write(RESULT, meta, summarize(merged), merged, work)
 

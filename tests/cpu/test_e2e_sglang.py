@@ -190,8 +190,9 @@ def test_summary_sets_the_headline_against_every_peer_and_keeps_fp8_weight_rows_
     def row(config, length, tput, **kw):
         return {"part": "throughput", "status": "ok", "model": "llama-3.1-8b", "config": config, "input_len": length,
                 "output_throughput": tput, "requests": 10, "commit": "abc", **kw}
-    rows = [row(c, n, t) for n in (32768, 65536) for c, t in (("sglang-fa3-bf16", 100.0), ("sglang-fa3-fp8kv", 125.0),
-                                                              ("flashinfer-bf16", 80.0), ("mpfa-qk4pv8", 150.0))]
+    rows = [row(c, n, t) for n in results.GEOMEAN_LENGTHS
+            for c, t in (("sglang-fa3-bf16", 100.0), ("sglang-fa3-fp8kv", 125.0), ("flashinfer-bf16", 80.0),
+                         ("mpfa-qk4pv8", 150.0))]
     rows += [row(c, 65536, t, quantization="fp8", max_total_num_tokens=10 ** 7)
              for c, t in (("sglang-fa3-bf16", 200.0), ("mpfa-qk4pv8", 300.0))]
     # the pools (capacity ratios, request counts) are BF16-weight servers': the FP8-weight rows' larger ones stay out
@@ -199,7 +200,7 @@ def test_summary_sets_the_headline_against_every_peer_and_keeps_fp8_weight_rows_
     s = results.summarize(rows)
     assert s["output_throughput_ratio_vs_sglang_fa3_bf16_geomean"] == pytest.approx(1.5)
     assert s["output_throughput_ratio_vs_sglang_fa3_fp8kv_geomean"] == pytest.approx(1.2)
-    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": pytest.approx(1.875), "65536": pytest.approx(1.875)}
+    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {str(n): pytest.approx(1.875) for n in results.GEOMEAN_LENGTHS}
     # the FP8-weights rows: their own ratios, never mixed into the BF16-weights ones
     assert s["fp8_weights_output_throughput_ratio_vs_sglang_fa3_bf16"] == {"65536": pytest.approx(1.5)}
     assert "fp8_weights_output_throughput_ratio_vs_sglang_fa3_fp8kv" not in s
@@ -264,7 +265,10 @@ def test_throughput_summary():
             {"part": "tp", "status": "ok", "tp2_tp1_token_agreement": 1.0, "group": "tp/x"}]
     s = results.summarize(rows)
     assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.5, "65536": 3.2, "qwen3-14b/65536": 3.0}
-    assert s["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx((2.5 * 3.2) ** 0.5)
+    # the geomean spans 32K, 64K and 128K: without the 128K pair there is none
+    assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" not in s
+    s = results.summarize(rows + [row("flashinfer-bf16", 130048, 50.0), row("mpfa-qk4pv8", 130048, 100.0)])
+    assert s["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx((2.5 * 3.2 * 2.0) ** (1 / 3))
     assert s["output_throughput_ratio_vs_flashinfer_fp8"] == {"32768": 1.25}
     assert s["ttft_concurrency1_ratio_vs_flashinfer_bf16"]["32768"] == pytest.approx(0.9)
     assert s["soak_ok"] is True and s["tp2_tp1_token_agreement"] == 1.0
@@ -292,9 +296,11 @@ def test_scored_positions_align_to_the_output_tokens(leading_none):
         sc._scored_positions(s, meta)
 
 
-def test_with_calls_keeps_every_calls_provenance():
+def test_with_calls_keeps_every_calls_provenance(monkeypatch):
+    monkeypatch.setenv("MPFA_RUN", "r1")
     first = results.with_calls({"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}, {})
-    assert first["calls"] == [{"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"]}]
+    assert first["calls"] == [{"command": "a", "commit": "c1", "date": "d1", "parts": ["capacity"], "run": "r1"}]
+    assert first["run"] == "r1"
     second = results.with_calls({"command": "b", "commit": "c2", "date": "d2", "parts": ["agreement"]}, first)
     assert [c["commit"] for c in second["calls"]] == ["c1", "c2"] and second["command"] == "b"
     legacy = results.with_calls({"command": "b", "commit": "c2"}, {"command": "a", "commit": "c0"})
@@ -395,6 +401,23 @@ def test_serving_summary_sets_the_headline_against_the_fa3_peers_per_rate():
     assert s["output_throughput_ratio_vs_sglang_fa3_bf16"] == {"0.3": pytest.approx(1.2)}
     merged = serving.merge(rows, [row("sglang-fa3-bf16", 0.5, 500.0, 45.0, 90.0)])
     assert len(merged) == 5 and serving.summarize(merged)["ttft_p50_ratio_vs_sglang_fa3_bf16"]["0.5"] == 0.5
+
+
+def test_serving_ratios_pair_rows_of_one_session_as_the_file_fills_over_sessions():
+    def row(c, rate, ttft, commit):
+        return {"config": c, "rate": rate, "prompts": 60, "seed": 1, "status": "ok", "median_ttft_ms": ttft,
+                "p99_itl_ms": 30.0, "median_e2e_latency_ms": 10.0, "output_throughput": 100.0, "commit": commit}
+    first = [row("mpfa-qk4pv8", 0.4, 200.0, "aaaaaaa"), row("sglang-fa3-bf16", 0.4, 400.0, "aaaaaaa")]
+    second = [row("mpfa-qk4pv8", 0.4, 250.0, "bbbbbbb"), row("sglang-fa3-fp8kv", 0.4, 500.0, "bbbbbbb")]
+    rows = serving.merge(first, second)
+    assert [(r["config"], r["commit"]) for r in rows] == [
+        ("sglang-fa3-bf16", "aaaaaaa"), ("sglang-fa3-fp8kv", "bbbbbbb"), ("mpfa-qk4pv8", "aaaaaaa"),
+        ("mpfa-qk4pv8", "bbbbbbb")]
+    s = serving.summarize(rows)
+    assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.4": 0.5} and s["ttft_p50_ratio_vs_sglang_fa3_fp8kv"] == {"0.4": 0.5}
+    assert s["pairs_measured"] == {"sglang_fa3_bf16": {"0.4": "aaaaaaa"}, "sglang_fa3_fp8kv": {"0.4": "bbbbbbb"}}
+    # another load (fewer prompts) is no pair
+    assert "ttft_p50_ratio_vs_sglang_fa3_bf16" not in serving.summarize([{**first[0], "prompts": 30}, first[1]])
 
 
 def test_serving_refuses_bad_rates(capsys):

@@ -194,15 +194,16 @@ def test_summary_ratios_pair_rows_of_the_same_load_only():
 
 def test_summary_geomean_is_over_one_mpfa_build():
     rows = [_fixed("flashinfer-bf16", 32768, 100.0), {**_fixed("mpfa-qk4pv8", 32768, 200.0), "commit": "new"},
-            _fixed("flashinfer-bf16", 65536, 100.0), {**_fixed("mpfa-qk4pv8", 65536, 150.0), "commit": "old"}]
+            _fixed("flashinfer-bf16", 65536, 100.0), {**_fixed("mpfa-qk4pv8", 65536, 150.0), "commit": "old"},
+            _fixed("flashinfer-bf16", 130048, 100.0), {**_fixed("mpfa-qk4pv8", 130048, 300.0), "commit": "new"}]
     s = results.summarize(rows)
-    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.0, "65536": 1.5}
+    assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.0, "65536": 1.5, "130048": 3.0}
     assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" not in s
     rows[3]["commit"] = "new"
-    assert results.summarize(rows)["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx(3 ** 0.5)
+    assert results.summarize(rows)["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx(9 ** (1 / 3))
     # the kernels' hashed names, where rows have them, decide over the commit: a docs-only commit between
     # two sessions' runs measures the same build, a kernel change under one commit name would not
-    rows[1]["mpfa_kernels"] = rows[3]["mpfa_kernels"] = ["prefill_x_0123456789ab"]
+    rows[1]["mpfa_kernels"] = rows[3]["mpfa_kernels"] = rows[5]["mpfa_kernels"] = ["prefill_x_0123456789ab"]
     rows[3]["commit"] = "later"
     assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" in results.summarize(rows)
     rows[3]["mpfa_kernels"] = ["prefill_x_ba9876543210"]
