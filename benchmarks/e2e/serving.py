@@ -1,6 +1,6 @@
 """SGLang's own serving client against mpfa and SGLang's backends: latency and throughput under Poisson load.
 
-    python -m benchmarks.e2e.serving --rates 0.25,0.4,0.55 [--configs ...] [--prompts 100] [--publish]
+    python -m benchmarks.e2e.serving --rates 0.25,0.4,0.55 [--configs ...] [--prompts 100] [--tp 1] [--publish]
 
 Per configuration one server, then per request rate (lowest first) one run of SGLang's client:
 
@@ -74,26 +74,26 @@ def tokenizer_dir(tmp: Path) -> Path:
     return Path(tmp) / "tokenizer"
 
 
-def mpfa_yaml(recipe: str, context: int, tmp: Path) -> Path:
+def mpfa_yaml(recipe: str, context: int, tmp: Path, tp: int = 1) -> Path:
     """The served YAML of ``recipe`` as a copy in ``tmp`` that names the model by absolute path, the run's
-    tokenizer instead of --skip-tokenizer-init, and ``context`` tokens of context."""
+    tokenizer instead of --skip-tokenizer-init, ``context`` tokens of context and ``tp`` GPUs."""
     import yaml
     src = REPO / "server_configs" / f"{MODEL}-{recipe}.yaml"
     doc = yaml.safe_load(src.read_text())
     doc["model"] = str((src.parent / doc["model"]).resolve())
     doc["sglang"].pop("skip-tokenizer-init", None)
-    doc["sglang"].update({"tokenizer-path": str(tokenizer_dir(tmp)), "context-length": context})
+    doc["sglang"].update({"tokenizer-path": str(tokenizer_dir(tmp)), "context-length": context, "tp-size": tp})
     out = tmp / f"{recipe}.yaml"
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
 
 
-def server_command(config: str, context: int, port: int, tmp: Path) -> tuple[list, dict]:
-    """(argv, extra environment) of one configuration's server."""
+def server_command(config: str, context: int, port: int, tmp: Path, tp: int = 1) -> tuple[list, dict]:
+    """(argv, extra environment) of one configuration's server on ``tp`` GPUs."""
     if config.startswith("mpfa-"):
-        yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp)
+        yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp, tp)
         return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port)], {}
-    argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=1, port=port)
+    argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=tp, port=port)
     argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
     return argv, env
 
@@ -117,17 +117,28 @@ def client_row(out_file: Path) -> dict:
 
 
 def _load(r: dict) -> tuple:
-    """What a row's client sent: the rate, the request count and the seed (prompts and arrival times)."""
-    return r["rate"], r.get("prompts"), r.get("seed")
+    """What a row's client sent, to how many GPUs: the rate, the request count, the seed (prompts and arrival
+    times) and the tensor-parallel size."""
+    return r["rate"], r.get("prompts"), r.get("seed"), r.get("tp", 1)
+
+
+def _rate_key(r: dict) -> str:
+    """A summary dict's key for a row: its rate, ``tp<N>/<rate>`` on more than one GPU."""
+    return str(r["rate"]) if r.get("tp", 1) == 1 else f"tp{r['tp']}/{r['rate']}"
+
+
+def _by_rate(item: tuple[str, float]) -> tuple[str, float]:
+    tp, _, rate = item[0].rpartition("/")
+    return tp, float(rate)
 
 
 def summarize(rows: list[dict]) -> dict:
     """The rates measured and, per rate, the headline's ratios over each fa3 peer (keys ``<stem>_ratio_vs_<peer>``,
-    dicts keyed by the rate): below 1 for latencies is mpfa faster, above 1 for throughput. Each ratio pairs the
-    peer's row with the headline row of its run and load (``runs.partner``), and ``pairs_measured`` names the
-    commit of each rate's pair."""
+    dicts keyed by the rate, ``tp<N>/<rate>`` for rows on N GPUs): below 1 for latencies is mpfa faster, above 1 for
+    throughput. Each ratio pairs the peer's row with the headline row of its run and load (``runs.partner``), and
+    ``pairs_measured`` names the commit of each rate's pair. ``rates``: those measured on one GPU."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    rates = sorted({r["rate"] for r in ok})
+    rates = sorted({r["rate"] for r in ok if r.get("tp", 1) == 1})
     out: dict = {"rates": rates}
     measured: dict = {}
     for peer, suffix in PEERS.items():
@@ -136,10 +147,10 @@ def summarize(rows: list[dict]) -> dict:
             for b in (r for r in ok if r["config"] == peer):
                 a = runs.partner([h for h in ok if h["config"] == HEADLINE and _load(h) == _load(b)], b)
                 if a and a.get(field) and b.get(field):
-                    ratios[str(b["rate"])] = a[field] / b[field]
-                    measured.setdefault(suffix, {})[str(b["rate"])] = str(a.get("commit") or "?")[:7]
+                    ratios[_rate_key(b)] = a[field] / b[field]
+                    measured.setdefault(suffix, {})[_rate_key(b)] = str(a.get("commit") or "?")[:7]
             if ratios:
-                out[f"{stem}_ratio_vs_{suffix}"] = dict(sorted(ratios.items(), key=lambda kv: float(kv[0])))
+                out[f"{stem}_ratio_vs_{suffix}"] = dict(sorted(ratios.items(), key=_by_rate))
     if measured:
         out["pairs_measured"] = measured
     return out
@@ -147,7 +158,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     from benchmarks import plots
-    newest = {(r["config"], r["rate"]): r for r in rows if r.get("status") == "ok"}   # rows run oldest first
+    newest = {(r["config"], r["rate"]): r for r in rows   # rows run oldest first; one GPU's lines
+              if r.get("status") == "ok" and r.get("tp", 1) == 1}
     rates = sorted({rate for _, rate in newest})
     paths = []
     for field, name, unit in (("median_ttft_ms", "TTFT p50", "ms"), ("p99_itl_ms", "ITL p99", "ms"),
@@ -163,7 +175,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def merge(previous: list[dict], new: list[dict]) -> list[dict]:
     """Rows after a run: a (configuration, rate) measured again replaces its earlier row, except a headline row
     that a kept peer's ratio pairs with (``runs.merge``); within a configuration and rate the newest comes last."""
-    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"]), _load, HEADLINE)
+    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"], r.get("tp", 1)), _load, HEADLINE)
     return sorted(merged, key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
 
 
@@ -205,8 +217,8 @@ def run_rate(config: str, args, rate: float, srv, base: dict, out_dir: Path, tok
 def run_config(config: str, args, rates: list[float], tmp: Path, log_dir: Path, bar, on_row) -> None:
     """One server, every rate against it (``on_row`` gets each rate's row as it ends); a failure becomes error rows."""
     context = throughput.server_context_length(INPUT_MAX, OUTPUT_MAX, throughput.model_config(MODEL)["max_position_embeddings"])
-    argv, extra = server_command(config, context, args.port, tmp)
-    base = {"part": "serving", "config": config, "model": MODEL, "prompts": args.prompts, "seed": args.seed,
+    argv, extra = server_command(config, context, args.port, tmp, args.tp)
+    base = {"part": "serving", "config": config, "model": MODEL, "tp": args.tp, "prompts": args.prompts, "seed": args.seed,
             "input_len_range": [int(INPUT_MAX * RANGE_RATIO), INPUT_MAX],
             "output_len_range": [int(OUTPUT_MAX * RANGE_RATIO), OUTPUT_MAX], "dataset": "random-ids",
             "tokenizer": "synthetic word-level, the model's vocabulary"}
@@ -238,6 +250,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=100, help="requests per rate (default %(default)s)")
     ap.add_argument("--seed", type=int, default=1, help="bench_serving's seed: prompts and arrival times")
     ap.add_argument("--port", type=int, default=PORT)
+    ap.add_argument("--tp", type=int, default=1, help="GPUs per server, SGLang's --tp-size (default %(default)s)")
     publish.add_arguments(ap)
     args = ap.parse_args(argv)
     args.out = publish.destination(ap, args.out, args.publish)
@@ -248,6 +261,8 @@ def main(argv=None) -> int:
         rates = []
     if not rates or any(not 0 < r < 1000 for r in rates):
         ap.error(f"--rates: comma-separated request rates above 0 (req/s), got {args.rates!r}")
+    if args.tp < 1:
+        ap.error(f"--tp must be at least 1 (GPUs per server), got {args.tp}")
     if args.prompts < 10:
         ap.error(f"--prompts must be at least 10 (a p99 over fewer is one request), got {args.prompts}")
     why = publish.refusal(PROG, [f"{RESULT}.json"], args.out, need_sglang=True) if args.publish else None

@@ -4,7 +4,7 @@
     python -m benchmarks.e2e.throughput --input-len 65536 --weights fp8 --configs sglang-fa3-bf16,sglang-fa3-fp8kv,mpfa-qk4pv8
     python -m benchmarks.e2e.throughput --workload mixed [--output-len 1024] [--configs ...] [--requests N]
     python -m benchmarks.e2e.throughput --soak [--soak-requests 200]     # mixed lengths, cancellations
-    python -m benchmarks.e2e.throughput --tp-check                        # TP=2 vs TP=1 (2 GPUs, saved model)
+    python -m benchmarks.e2e.throughput --tp-check [--tp-recipes bf16,qk4pv8]  # TP=2 vs TP=1 (2 GPUs, saved model)
 
 Each configuration is one SGLang server (``python -m sglang.launch_server``, dummy weights, page size 16,
 ``--mem-fraction-static`` of the default server config, SGLang's default chunked prefill) serving the
@@ -498,40 +498,49 @@ def _prompt_logprobs(port: int, inputs, new_tokens: int) -> tuple[list, list]:
     return lps, [r["output_ids"] for r in res]
 
 
-def run_tp_check(args, log_dir: Path) -> dict:
-    """TP=2 against TP=1 on one saved model (write_tp_model), for SGLang's flashinfer backend and mpfa bf16:
-    the prompt tokens' log-probabilities (a continuous output: no greedy near-ties) and the greedy tokens.
-    mpfa serves TP=2 correctly when its TP=2-vs-TP=1 drift is that of flashinfer."""
+def run_tp_check(args, log_dir: Path) -> list[dict]:
+    """TP=2 against TP=1 on one saved model (write_tp_model), for SGLang's flashinfer backend and each mpfa recipe of
+    ``--tp-recipes``: the prompt tokens' log-probabilities (a continuous output: no greedy near-ties) and the greedy
+    tokens. mpfa serves TP=2 correctly when its TP=2-vs-TP=1 drift is that of flashinfer. One row per recipe, each
+    with flashinfer's figures (measured once per call)."""
     model_dir = write_tp_model(Path(args.tp_model_dir))
     inputs = make_inputs(8, 1024, TP_MODEL_VOCAB, seed=2)
-    row = {"part": "tp", "model": "llama-3.1-8b-4layers-random", "config": "mpfa-bf16", "group": "tp/llama-4l"}
+    configs = ["flashinfer-bf16", *(f"mpfa-{r}" for r in args.tp_recipes)]
+    rows = {c: {"part": "tp", "model": "llama-3.1-8b-4layers-random", "config": c, "group": f"tp/llama-4l/{c}"}
+            for c in configs[1:]}
     t0 = time.perf_counter()
     got = {}
-    try:
-        for config in ("flashinfer-bf16", "mpfa-bf16"):
+
+    def drift(a, b):
+        d = [abs(x - y) for la, lb in zip(a[0], b[0]) for x, y in zip(la, lb)]
+        same = sum(x == y for oa, ob in zip(a[1], b[1]) for x, y in zip(oa, ob))
+        return max(d), sum(d) / len(d), same / sum(len(o) for o in a[1])
+
+    for config in configs:
+        try:
             for tp in (1, 2):
                 argv, env_extra = server_argv(config, args.model, context_length=4096, mem_fraction=0.5, tp=tp,
                                               port=args.port, model_path=model_dir, dummy=False)
                 env = server_env(**env_extra, HF_HUB_OFFLINE="1")
                 with Server(argv, env, log_dir / f"tp{tp}-{config}.log", args.port):
                     got[(config, tp)] = _prompt_logprobs(args.port, inputs, 16)
-
-        def drift(a, b):
-            d = [abs(x - y) for la, lb in zip(a[0], b[0]) for x, y in zip(la, lb)]
-            same = sum(x == y for oa, ob in zip(a[1], b[1]) for x, y in zip(oa, ob))
-            return max(d), sum(d) / len(d), same / sum(len(o) for o in a[1])
-        for config in ("flashinfer-bf16", "mpfa-bf16"):
-            mx, mean, agree = drift(got[(config, 1)], got[(config, 2)])
-            key = config.split("-")[0]
+        except Exception as e:
+            for c in (configs[1:] if config == configs[0] else [config]):   # flashinfer failed: no row has its control
+                rows[c].update(status="error", error=f"{config}: {type(e).__name__}: {e}")
+            if config == configs[0]:
+                break
+    for config, row in rows.items():
+        if row.get("status") == "error":
+            continue
+        for c, key in (("flashinfer-bf16", "flashinfer"), (config, "mpfa")):
+            mx, mean, agree = drift(got[(c, 1)], got[(c, 2)])
             row.update({f"{key}_tp2_vs_tp1_max_logprob_diff": mx, f"{key}_tp2_vs_tp1_mean_logprob_diff": mean,
                         f"{key}_tp2_vs_tp1_token_agreement": agree})
-        mx, mean, agree = drift(got[("flashinfer-bf16", 2)], got[("mpfa-bf16", 2)])
+        mx, mean, agree = drift(got[("flashinfer-bf16", 2)], got[(config, 2)])
         row.update(mpfa_vs_flashinfer_tp2_mean_logprob_diff=mean, mpfa_vs_flashinfer_tp2_token_agreement=agree,
                    tp2_tp1_token_agreement=row["mpfa_tp2_vs_tp1_token_agreement"], status="ok")
-    except Exception as e:
-        row.update(status="error", error=f"{type(e).__name__}: {e}")
-    row["seconds"] = round(time.perf_counter() - t0, 1)
-    return row
+    seconds = round(time.perf_counter() - t0, 1)
+    return [{**row, "seconds": seconds} for row in rows.values()]
 
 
 def run_meta(command: str, parts, previous_meta: dict) -> dict:
@@ -569,6 +578,8 @@ def parse_args(argv):
     ap.add_argument("--soak-requests", type=int, default=200)
     ap.add_argument("--tp-check", action="store_true", help="run the TP=2 vs TP=1 check instead (2 GPUs)")
     ap.add_argument("--tp-model-dir", default="/tmp/mpfa-tp-model", help="where --tp-check writes its saved model")
+    ap.add_argument("--tp-recipes", default="bf16,qk4pv8",
+                    help="comma-separated mpfa recipes --tp-check sets against flashinfer (default %(default)s)")
     ap.add_argument("--port", type=int, default=PORT,
                     help="server port (default %(default)s; one per queue when queues share a host, one GPU each)")
     publish.add_arguments(ap)
@@ -584,6 +595,7 @@ def parse_args(argv):
         args.input_len = args.input_lens[0]
     if args.output_len <= 0:
         ap.error(f"--output-len must be positive, got {args.output_len}")
+    args.tp_recipes = ap.comma_list("--tp-recipes", args.tp_recipes, RECIPES)
     requests = args.requests.split(",")
     if len(requests) > 1 and len(requests) != len(args.input_lens or [None]):
         ap.error(f"--requests: {len(requests)} values for {len(args.input_lens or [None])} --input-len; give one "
@@ -727,14 +739,14 @@ def main(argv=None) -> int:
     work = publish.staging_dir(e2e_results.RESULT) if args.publish else args.out
     log_dir = work / "logs" / "e2e"
     if args.soak or args.tp_check:
-        row = run_soak(args, log_dir) if args.soak else run_tp_check(args, log_dir)
-        e2e_results.write_rows(previous["rows"], [row], work, run_meta(command, [row["part"]], previous["meta"]))
+        rows = [run_soak(args, log_dir)] if args.soak else run_tp_check(args, log_dir)
+        e2e_results.write_rows(previous["rows"], rows, work, run_meta(command, [rows[0]["part"]], previous["meta"]))
         if args.soak:   # the issue asks for the soak's summary log beside the results
             log_dir.mkdir(parents=True, exist_ok=True)
             (log_dir / f"soak-{args.model}-summary.txt").write_text(
-                f"{command}\n" + "\n".join(f"{k}: {v}" for k, v in row.items()) + "\n")
-        print(json.dumps(row, indent=1))
-        return finish(args, [row], work)
+                f"{command}\n" + "\n".join(f"{k}: {v}" for k, v in rows[0].items()) + "\n")
+        print(json.dumps(rows, indent=1))
+        return finish(args, rows, work)
     loads = []
     for v, n in zip(views, counts):
         inputs = inputs_of_lengths(prompt_lengths(v, n, max_pos), vocab)

@@ -262,7 +262,10 @@ def test_throughput_summary():
             row("flashinfer-bf16", 65536, 50.0), row("mpfa-qk4pv8", 65536, 160.0),
             row("flashinfer-bf16", 65536, 10.0, model="qwen3-14b"), row("mpfa-qk4pv8", 65536, 30.0, model="qwen3-14b"),
             {"part": "soak", "status": "ok", "group": "soak/x"},
-            {"part": "tp", "status": "ok", "tp2_tp1_token_agreement": 1.0, "group": "tp/x"}]
+            *({"part": "tp", "status": "ok", "config": c, "group": f"tp/x/{c}", "tp2_tp1_token_agreement": agree,
+               "mpfa_tp2_vs_tp1_mean_logprob_diff": d, "flashinfer_tp2_vs_tp1_mean_logprob_diff": 0.015,
+               "flashinfer_tp2_vs_tp1_token_agreement": 0.85} for c, agree, d in (("mpfa-bf16", 1.0, 0.014),
+                                                                                  ("mpfa-qk4pv8", 0.9, 0.02)))]
     s = results.summarize(rows)
     assert s["output_throughput_ratio_vs_flashinfer_bf16"] == {"32768": 2.5, "65536": 3.2, "qwen3-14b/65536": 3.0}
     # the geomean spans 32K, 64K and 128K: without the 128K pair there is none
@@ -271,7 +274,9 @@ def test_throughput_summary():
     assert s["output_throughput_ratio_vs_flashinfer_bf16_geomean"] == pytest.approx((2.5 * 3.2 * 2.0) ** (1 / 3))
     assert s["output_throughput_ratio_vs_flashinfer_fp8"] == {"32768": 1.25}
     assert s["ttft_concurrency1_ratio_vs_flashinfer_bf16"]["32768"] == pytest.approx(0.9)
-    assert s["soak_ok"] is True and s["tp2_tp1_token_agreement"] == 1.0
+    assert s["soak_ok"] is True and s["tp2_tp1_token_agreement"] == 0.9
+    assert s["tp2_vs_tp1_mean_logprob_diff"] == {"flashinfer": 0.015, "mpfa-bf16": 0.014, "mpfa-qk4pv8": 0.02}
+    assert s["tp2_tp1_token_agreement_flashinfer"] == 0.85
     assert "wall_time_split_estimate" not in s   # no wall time and request count in these rows
     timed = [dict(r, wall_s=40.0, requests=10) for r in rows[:2]]
     split = results.summarize(timed)["wall_time_split_estimate"]
@@ -377,6 +382,12 @@ def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_setting
     argv, _ = serving.server_command("mpfa-qk4pv4", 66624, 9, tmp_path)
     assert build_launch(argv[3], env={}).env["MPFA_RECIPE"] == "qk4pv4"
     assert "mpfa-qk4pv4" in serving.CONFIGS and "mpfa-qk4pv4" not in serving.DEFAULT_CONFIGS
+    # on two GPUs: SGLang's --tp-size for the peers, the YAML's for mpfa
+    argv, _ = serving.server_command("sglang-fa3-bf16", 66624, 9, tmp_path, tp=2)
+    assert argv[argv.index("--tp-size") + 1] == "2"
+    argv, _ = serving.server_command("mpfa-qk4pv8", 66624, 9, tmp_path, tp=2)
+    plan = build_launch(argv[3], env={})
+    assert plan.argv[plan.argv.index("--tp-size") + 1] == "2"
 
 
 def test_serving_client_is_sglangs_with_the_same_prompts_for_everyone(tmp_path):
@@ -418,6 +429,12 @@ def test_serving_ratios_pair_rows_of_one_session_as_the_file_fills_over_sessions
     assert s["pairs_measured"] == {"sglang_fa3_bf16": {"0.4": "aaaaaaa"}, "sglang_fa3_fp8kv": {"0.4": "bbbbbbb"}}
     # another load (fewer prompts) is no pair
     assert "ttft_p50_ratio_vs_sglang_fa3_bf16" not in serving.summarize([{**first[0], "prompts": 30}, first[1]])
+    # rows on two GPUs: their own keys, never paired with one GPU's, and kept beside them
+    tp2 = [{**r, "tp": 2, "median_ttft_ms": r["median_ttft_ms"] / 2} for r in first]
+    both = serving.merge(rows, tp2)
+    assert len(both) == 6
+    s = serving.summarize(both)
+    assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.4": 0.5, "tp2/0.4": 0.5} and s["rates"] == [0.4]
 
 
 def test_serving_refuses_bad_rates(capsys):

@@ -248,6 +248,14 @@ def test_a_mixed_row_never_replaces_a_fixed_row_and_is_left_out_of_the_plot():
     assert results.plot([mixed], Path("/nonexistent")) == []   # nothing to plot: no file written
 
 
+def test_tp_check_takes_the_recipes_to_set_against_flashinfer(capsys):
+    assert tp.parse_args(["--tp-check"])[1].tp_recipes == ["bf16", "qk4pv8"]
+    assert tp.parse_args(["--tp-check", "--tp-recipes", "qk8pv8"])[1].tp_recipes == ["qk8pv8"]
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--tp-check", "--tp-recipes", "int4"])
+    assert "--tp-recipes: choose from" in capsys.readouterr().err
+
+
 def test_row_fields_name_the_workload_and_keep_groups_apart():
     _, fixed = tp.parse_args(["--input-len", "65536"])
     f = tp.workload_fields(fixed, "mpfa-qk4pv8", [65536] * 3)
