@@ -38,12 +38,12 @@ import sys
 from pathlib import Path
 
 from benchmarks import meta as bench_meta
+from benchmarks import publish
 from benchmarks.e2e.server import Server, server_env, server_info, stream_generate
 from benchmarks.e2e.throughput import MODELS, inputs_of_lengths
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks/results"
-DEFAULT_OUT = RESULTS / "scratch/prefill_graph_ab"
+DEFAULT_OUT = publish.SCRATCH_DIR / "prefill_graph_ab"
 PROG = "python -m benchmarks.e2e.prefill_graph_ab"
 FILE = "prefill_graph_ab_h200.json"
 PORT = 30631
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=PORT)
     args = ap.parse_args(argv)
     out = args.out.resolve()
-    if out == RESULTS or (RESULTS in out.parents and RESULTS / "scratch" not in (out, *out.parents)):
+    if publish.is_published(out):
         print(f"{PROG}: error: --out {args.out} is in the published results folder; this A/B writes to scratch "
               "(the lead publishes)", file=sys.stderr)
         return 2

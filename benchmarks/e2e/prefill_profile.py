@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 
 from benchmarks import meta as bench_meta
+from benchmarks import publish
 from benchmarks.e2e.server import Server, flush_radix_cache, http_json, server_env, server_info, stream_generate
 from benchmarks.e2e.throughput import (CONFIGS, MODELS, PAGE_SIZE, make_inputs, model_config, server_argv,
                                        server_context_length)
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks/results"
-DEFAULT_OUT = RESULTS / "scratch/prefill_profile"
+DEFAULT_OUT = publish.SCRATCH_DIR / "prefill_profile"
 PROG = "python -m benchmarks.e2e.prefill_profile"
 FILE = "prefill_profile_h200.json"
 PORT = 30651
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         ap.error(f"--input-len must be in 1..{max_pos - 1} ({args.model}'s positions less one output token), "
                  f"got {args.input_len}")
     out = args.out.resolve()
-    if out == RESULTS or (RESULTS in out.parents and RESULTS / "scratch" not in (out, *out.parents)):
+    if publish.is_published(out):
         ap.error(f"--out {args.out} is in the published results folder; this study writes to scratch (the lead "
                  "publishes)")
     logs, traces = out / "logs", out / "traces"

@@ -69,7 +69,7 @@ def test_the_summary_sets_the_headline_against_each_peer():
 def test_refuses_bad_arguments_and_the_published_folder(capsys):
     for argv, msg in ((["--configs", "mpfa-int4"], "--configs: choose from"),
                       (["--input-len", "0"], "--input-len must be in"),
-                      (["--out", str(pp.RESULTS)], "published results folder")):
+                      (["--out", str(pp.publish.RESULTS_DIR)], "published results folder")):
         with pytest.raises(SystemExit):
             pp.main(argv)
         assert msg in capsys.readouterr().err
