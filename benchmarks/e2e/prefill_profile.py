@@ -142,6 +142,8 @@ def profile_config(config: str, args, logs: Path, traces: Path) -> dict:
     one_token = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
     folder = traces / config
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.json*"):   # an earlier run's traces would be read with this one's
+        old.unlink()
     try:
         with Server(argv, server_env(**extra, HF_HUB_OFFLINE="1"), logs / f"prefill-profile-{config}.log",
                     args.port) as srv:
