@@ -48,15 +48,25 @@ def validate(result: dict, where: str = "result") -> dict:
 
 
 # A list of numbers (token ids, latencies) on one line: indent=1 gives each number a line of its own, and the e2e
-# file's token ids alone then took 190 KB of the results folder's budget (tests/cpu/test_repo_shape.py).
+# file's token ids alone then took 190 KB of the results folder's budget (tests/cpu/test_repo_shape.py). Rows are
+# written one per line (dumps).
 _NUMBER = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
 _NUMBER_LIST = re.compile(rf"\[\s*({_NUMBER}(?:\s*,\s*{_NUMBER})*)\s*\]")
 
 
 def dumps(result: dict) -> str:
-    """The text of a results file: indented one space per level, lists of numbers on one line."""
-    text = json.dumps(result, indent=1, allow_nan=False)
-    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
+    """The text of a results file: meta and summary indented one space per level, lists of numbers on one line;
+    then one line per row (a row's fields indented a line each took 10% of the results folder's budget, and a
+    rerun's diff is then one line per row it changed)."""
+    head = {k: v for k, v in result.items() if k != "rows"}
+    text = json.dumps({**head, "rows": []}, indent=1, allow_nan=False)
+    text = _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
+    rows = result.get("rows") or []
+    if rows:
+        assert text.endswith('"rows": []\n}'), "the rows come last (KEYS)"
+        lines = ",\n".join("  " + json.dumps(r, allow_nan=False) for r in rows)
+        text = text[: -len("[]\n}")] + "[\n" + lines + "\n ]\n}"
+    return text + "\n"
 
 
 def write(name: str, meta: dict, summary: dict, rows: list[dict],

@@ -238,10 +238,15 @@ def test_merge_without_publish_starts_from_the_published_file_and_writes_scratch
 
 def test_results_text_puts_lists_of_numbers_on_one_line_and_reads_back_equal():
     from benchmarks import results_io
-    doc = {"meta": {"command": "x, [1, 2]"}, "summary": {"ids": [1, -2, 3.5e-3, 4E+2]},
-           "rows": [{"ids": [7, 8], "nested": [[1, 2], {"a": [3]}], "mixed": [1, "a, b", None], "empty": []}]}
+    doc = {"meta": {"command": "x, [1, 2]"}, "summary": {"ids": [1, -2, 3.5e-3, 4E+2], "mixed": [1, "a, b", None]},
+           "rows": [{"ids": [7, 8], "nested": [[1, 2], {"a": [3]}], "mixed": [1, "a, b", None], "empty": []},
+                    {"part": "x", "v": 1.5}]}
     text = results_io.dumps(doc)
     assert json.loads(text) == doc
     assert '"ids": [1, -2, 0.0035, 400.0]' in text and '"ids": [7, 8]' in text and "[1, 2]" in text
     assert '"command": "x, [1, 2]"' in text                  # strings are left alone
-    assert '"mixed": [\n' in text                            # a list holding a string or null keeps its lines
+    assert '"mixed": [\n' in text                            # a summary list holding a string or null keeps its lines
+    lines = text.splitlines()
+    assert lines[-4:] == ['  {"ids": [7, 8], "nested": [[1, 2], {"a": [3]}], "mixed": [1, "a, b", None], '
+                          '"empty": []},'.replace("None", "null"), '  {"part": "x", "v": 1.5}', " ]", "}"]
+    assert json.loads(results_io.dumps({**doc, "rows": []})) == {**doc, "rows": []}
