@@ -30,14 +30,14 @@ def _hlines(ax, hlines: Mapping[str, float] | None) -> None:
                        label=f"{label} ({y:,.0f})")
 
 
-def _save(fig, ax, path: Path | str) -> Path:
+def _save(fig, ax, path: Path | str, dpi: int = 120) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handles, _ = ax.get_legend_handles_labels()
     if handles:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     _plt().close(fig)
     return path
 
@@ -79,6 +79,23 @@ def line(x: Sequence[float], series: Mapping[str, Sequence[float | None]], path:
     ax.grid(True, alpha=0.3)
     _hlines(ax, hlines)
     return _save(fig, ax, path)
+
+
+def line_panels(x: Sequence[float], panels: Mapping[str, Mapping[str, Sequence[float | None]]], path: Path | str,
+                *, title: str, xlabel: str) -> Path:
+    """``line`` for several measures over one x, side by side in one figure (a panel per measure, its y label
+    the key; the series, one line each, keep one color across panels; the legend on the first)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.6 * max(1, len(panels)), 4.2), squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], panels.items()):
+        for name, values in series.items():
+            pts = [(a, b) for a, b in zip(x, values) if b is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title)
+    return _save(fig, axes[0][0], path, dpi=90)   # three panels wide: 90 dpi reads as the others' 120
 
 
 def roofline(points: Iterable[tuple[str, float, float, float]], fp8_tflops: float,

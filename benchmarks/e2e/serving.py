@@ -157,19 +157,20 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """``serving_h200.png``: TTFT p50, ITL p99 and end-to-end latency p50 against the request rate, a panel each,
+    one line per configuration (its newest rows on one GPU)."""
     from benchmarks import plots
     newest = {(r["config"], r["rate"]): r for r in rows   # rows run oldest first; one GPU's lines
               if r.get("status") == "ok" and r.get("tp", 1) == 1}
+    if not newest:
+        return []
     rates = sorted({rate for _, rate in newest})
-    paths = []
-    for field, name, unit in (("median_ttft_ms", "TTFT p50", "ms"), ("p99_itl_ms", "ITL p99", "ms"),
-                              ("median_e2e_latency_ms", "end-to-end latency p50", "ms")):
-        series = {c: [newest.get((c, x), {}).get(field) for x in rates]
-                  for c in CONFIGS if any(config == c for config, _ in newest)}
-        stem = name.split()[0].lower().replace("-", "_")
-        paths.append(plots.line(rates, series, Path(out_dir) / f"{RESULT}_{stem}.png", xlabel="request rate (req/s)",
-                                ylabel=f"{name} ({unit})", title=f"SGLang bench_serving, H200: {name} vs request rate"))
-    return paths
+    configs = [c for c in CONFIGS if any(config == c for config, _ in newest)]
+    panels = {f"{name} (ms)": {c: [newest.get((c, x), {}).get(field) for x in rates] for c in configs}
+              for field, name in (("median_ttft_ms", "TTFT p50"), ("p99_itl_ms", "ITL p99"),
+                                  ("median_e2e_latency_ms", "end-to-end latency p50"))}
+    return [plots.line_panels(rates, panels, Path(out_dir) / f"{RESULT}.png", xlabel="request rate (req/s)",
+                              title="SGLang bench_serving, H200: latency against request rate")]
 
 
 def merge(previous: list[dict], new: list[dict]) -> list[dict]:

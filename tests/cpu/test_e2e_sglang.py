@@ -437,6 +437,17 @@ def test_serving_ratios_pair_rows_of_one_session_as_the_file_fills_over_sessions
     assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.4": 0.5, "tp2/0.4": 0.5} and s["rates"] == [0.4]
 
 
+def test_serving_plot_is_one_figure_of_three_latency_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"config": c, "rate": rate, "status": "ok", "median_ttft_ms": t, "p99_itl_ms": 40.0,
+             "median_e2e_latency_ms": 9000.0} for c, t in (("sglang-fa3-bf16", 900.0), ("mpfa-qk4pv8", 500.0))
+            for rate in (0.25, 0.4, 0.55)]
+    rows.append({**rows[0], "tp": 2})   # a two-GPU row draws no line of its own
+    (path,) = serving.plot(rows, tmp_path)
+    assert path.name == "serving_h200.png" and path.stat().st_size > 1000
+    assert serving.plot([{**rows[0], "status": "error"}], tmp_path / "none") == []
+
+
 def test_serving_refuses_bad_rates(capsys):
     with pytest.raises(SystemExit) as e:
         serving.main(["--rates", "0,fast"])
