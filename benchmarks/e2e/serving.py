@@ -28,7 +28,8 @@ finished.
 
 Rows (one per configuration and rate) carry what bench_serving reports: output throughput, TTFT, ITL and
 end-to-end latency (mean, p50, p90, p99), completed requests. They go to ``<out>/serving_h200.json``, replacing
-earlier rows of the same configuration and rate, so runs of a few configurations or rates at a time add up;
+earlier rows of the same configuration and rate (but an mpfa qk4pv8 row a kept peer row was measured with, in one
+run: ``benchmarks.e2e.runs``), so runs of a few configurations at a time add up over sessions;
 the summary sets mpfa qk4pv8 against the fa3 peers per rate (``ttft_p50_ratio_vs_sglang_fa3_bf16``, ...), and
 ``serving_h200.png`` plots TTFT p50, ITL p99 and end-to-end p50 against the rate, one line per configuration.
 ``<out>`` is benchmarks/results/scratch unless ``--publish`` (benchmarks/publish.py).
