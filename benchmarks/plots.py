@@ -62,15 +62,20 @@ def bar(labels: Sequence[str], series: Mapping[str, Sequence[float | None]], pat
     return _save(fig, ax, path)
 
 
+def _lines(ax, x: Sequence[float], series: Mapping[str, Sequence[float | None]]) -> None:
+    """One marked line per series over ``x``; None values are left out of their line."""
+    for name, values in series.items():
+        pts = [(a, b) for a, b in zip(x, values) if b is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+
+
 def line(x: Sequence[float], series: Mapping[str, Sequence[float | None]], path: Path | str,
          *, title: str, xlabel: str, ylabel: str, logx: bool = False,
          hlines: Mapping[str, float] | None = None) -> Path:
     """One line per series over shared x (e.g. throughput vs context length per kernel)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, values in series.items():
-        pts = [(a, b) for a, b in zip(x, values) if b is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    _lines(ax, x, series)
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
@@ -88,9 +93,7 @@ def line_panels(x: Sequence[float], panels: Mapping[str, Mapping[str, Sequence[f
     plt = _plt()
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.6 * max(1, len(panels)), 4.2), squeeze=False)
     for ax, (ylabel, series) in zip(axes[0], panels.items()):
-        for name, values in series.items():
-            pts = [(a, b) for a, b in zip(x, values) if b is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        _lines(ax, x, series)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

@@ -23,7 +23,6 @@ folder: the lead publishes). Time: per configuration a server start (~60-90 s) a
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import re
@@ -31,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import cli
 from benchmarks import meta as bench_meta
 from benchmarks import publish
 from benchmarks.e2e.server import Server, flush_radix_cache, http_json, server_env, server_info, stream_generate
@@ -69,7 +69,7 @@ def kind_of(name: str) -> str:
 
 def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every GPU event of a chrome trace (torch profiler's export)."""
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace   # torch writes a dict; a bare list is valid too
     return [(e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and e.get("cat") in EVENT_CATEGORIES and "ts" in e]
 
@@ -188,7 +188,7 @@ def compare(rows: list[dict], headline: str = HEADLINE) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=f"{HEADLINE},sglang-fa3-fp8kv",
                     help=f"comma-separated, the first one set against the others (of {', '.join(CONFIGS)})")
     ap.add_argument("--input-len", type=int, default=32768, help="prompt tokens (default %(default)s)")
@@ -196,10 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT.relative_to(REPO)})")
     ap.add_argument("--port", type=int, default=PORT)
     args = ap.parse_args(argv)
-    configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
-    if not configs or bad:
-        ap.error(f"--configs: choose from {', '.join(CONFIGS)}, got {args.configs!r}")
+    configs = ap.comma_list("--configs", args.configs, CONFIGS)
     max_pos = model_config(args.model)["max_position_embeddings"]
     if not 0 < args.input_len < max_pos:
         ap.error(f"--input-len must be in 1..{max_pos - 1} ({args.model}'s positions less one output token), "

@@ -196,14 +196,14 @@ def _throughput_summary(rows: list[dict]) -> dict:
         key = f"output_throughput_ratio_vs_{suffix}"
         pairs = _pairs(fixed, "output_throughput", peer)
         if pairs:
-            out[key] = {_label(*place): r["output_throughput"] / p["output_throughput"] for place, (r, p) in pairs.items()}
-            llama = {place[1]: pair for place, pair in pairs.items() if place[0] == "llama-3.1-8b"}
+            ratio = {place: r["output_throughput"] / p["output_throughput"] for place, (r, p) in pairs.items()}
+            out[key] = {_label(*place): v for place, v in ratio.items()}
+            llama = {place[1]: place for place in pairs if place[0] == "llama-3.1-8b"}
             # one figure over the three lengths for one build: a geomean over some lengths, or over lengths
             # measured with different mpfa kernels (a rerun of some lengths only), would blend figures
-            builds = {_build(r) for r, _ in llama.values()}
+            builds = {_build(pairs[place][0]) for place in llama.values()}
             if set(GEOMEAN_LENGTHS) <= set(llama) and len(builds) == 1:
-                out[key + "_geomean"] = geomean([llama[n][0]["output_throughput"] / llama[n][1]["output_throughput"]
-                                                 for n in GEOMEAN_LENGTHS])
+                out[key + "_geomean"] = geomean([ratio[llama[n]] for n in GEOMEAN_LENGTHS])
     fp8w = _measured(_throughput_rows(rows, "fixed", FP8_WEIGHTS), by_length)
     for peer, suffix in PEERS.items():
         over = _headline_over(fp8w, "output_throughput", peer)

@@ -44,6 +44,7 @@ def test_traces_are_read_from_gzip_and_plain_json_keeping_gpu_events_only(tmp_pa
     with gzip.open(tmp_path / "r0.trace.json.gz", "wt") as f:
         json.dump(trace, f)
     (tmp_path / "r1.trace.json").write_text(json.dumps({"traceEvents": [_event("void append_kv_kernel<x>", 200, 20)]}))
+    assert pp.kernel_events([_event("k", 1, 2)]) == [("k", 1.0, 2.0)]   # a bare event list is a trace too
     events = pp.read_traces(tmp_path)
     assert sorted(e[0] for e in events) == ["Memcpy HtoD", "nvjet_gemm", "void append_kv_kernel<x>"]
     s = pp.summarize_events(events)
