@@ -365,9 +365,10 @@ class Load:
     probe_output: int
 
 
-def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar) -> list[dict]:
+def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar, on_load=None) -> list[dict]:
     """One configuration's server under each load in turn (and each load's concurrency-1 probe where it has one):
-    a row per load."""
+    a row per load. ``on_load(rows)`` gets the finished rows after each load, so a caller can keep them before
+    the server's later loads run (a device call that ends mid-configuration loses only the load it was in)."""
     args = loads[0].args
     argv, env_extra = server_argv(config, args.model, context_length=context, mem_fraction=args.mem_fraction,
                                   tp=args.tp, port=args.port, weights=args.weights)
@@ -412,6 +413,8 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar)
                 row["seconds"] = round(time.perf_counter() - t_load, 1)
                 done += 1
                 bar.update(1)
+                if on_load:
+                    on_load(rows[:done])
         if done:   # and the last one the server's stop, as a run of it alone would
             rows[done - 1]["seconds"] = round(time.perf_counter() - t_load, 1)
     except Exception as e:
@@ -764,10 +767,15 @@ def main(argv=None) -> int:
     meta = run_meta(command, ["throughput"], previous["meta"])
     with tqdm(total=len(configs) * len(loads), unit="load", file=sys.stderr) as bar:
         for config in configs:
-            rows.extend(run_config(config, loads, context, log_dir, bar))
+            def keep(finished, before=list(rows)):
+                print(result_line(finished[-1]), flush=True)
+                e2e_results.write_rows(previous["rows"], before + finished, work, meta)
+            config_rows = run_config(config, loads, context, log_dir, bar, on_load=keep)
+            rows.extend(config_rows)
             e2e_results.write_rows(previous["rows"], rows, work, meta)
-    for r in rows:
-        print(result_line(r))
+            for r in config_rows:
+                if r["status"] != "ok" and "error" in r:   # a load the server failed: keep() never saw it
+                    print(result_line(r), flush=True)
     return finish(args, rows, work)
 
 

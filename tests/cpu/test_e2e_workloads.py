@@ -4,6 +4,7 @@ statistics from given token timestamps, the ratios from given rows, the CLI's re
 of both workloads against a stand-in SGLang server (SGLang and a GPU are not on the CPU machine)."""
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
@@ -333,6 +334,11 @@ STAND_IN_SGLANG = textwrap.dedent('''\
                 if os.environ.get("STAND_IN_FLUSH_LOG"):
                     with open(os.environ["STAND_IN_FLUSH_LOG"], "a") as f:
                         f.write(f"{args.port} {args.context_length}\\n")
+                if os.environ.get("STAND_IN_FLUSH_SNAPSHOT"):   # the results file as the client left it between loads
+                    with open(os.environ["STAND_IN_FLUSH_SNAPSHOT"][:-5] + "-source.txt") as f:
+                        src = f.read().strip()
+                    with open(src) as f, open(os.environ["STAND_IN_FLUSH_SNAPSHOT"], "w") as g:
+                        g.write(f.read())
                 return self._send(200, b"Cache flushed.\\n")
             ids, new = req["input_ids"], req["sampling_params"]["max_new_tokens"]
             if len(ids) + new > args.context_length:
@@ -439,6 +445,21 @@ def test_a_refused_flush_fails_the_later_loads_only(stand_in_sglang, tmp_path, m
     assert "flush_cache refused (HTTP 400): Cache not flushed because there are pending requests" in rows[512]["error"]
     assert rows[512]["seconds"] is not None and rows[1024]["seconds"] is None
     assert rows[1024]["startup_s"] == rows[256]["startup_s"] and rows[1024]["max_total_num_tokens"] == 4321
+
+
+def test_each_finished_load_is_in_the_results_file_before_the_next_load_runs(stand_in_sglang, tmp_path, monkeypatch):
+    """A device call can end in the middle of a configuration's loads: the loads it finished must already be in the
+    results file (the seventh session lost two finished fa3 BF16 loads that were kept only until the third's end)."""
+    snapshot = tmp_path / "between-loads.json"
+    (tmp_path / "between-loads-source.txt").write_text(str(tmp_path / f"{results.RESULT}.json"))
+    monkeypatch.setenv("STAND_IN_FLUSH_SNAPSHOT", str(snapshot))
+    assert tp.main(["--input-len", "256,512", "--requests", "2", "--configs", "flashinfer-bf16,mpfa-qk4pv8",
+                    "--output-len", "16", "--no-ttft-probe", "--port", str(stand_in_sglang), "--out", str(tmp_path)]) == 0
+    # the snapshot is the second configuration's flush: the first configuration's two rows and its own first
+    kept = {(r["config"], r["input_len"]): r["status"] for r in json.loads(snapshot.read_text())["rows"]}
+    assert kept == {("flashinfer-bf16", 256): "ok", ("flashinfer-bf16", 512): "ok", ("mpfa-qk4pv8", 256): "ok"}
+    rows = results_io.read(tmp_path / f"{results.RESULT}.json")["rows"]
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
 
 
 def test_several_lengths_refusals(tmp_path, capsys):
