@@ -227,13 +227,15 @@ def _throughput_summary(rows: list[dict]) -> dict:
         # each ratio pairs two rows of one run, and the summary names every row's commit and load.
         out["throughput_rows_measured"] = {k: _provenance(r) for k, r in sorted(measured.items())}
     # Where a run's wall time goes: SGLang runs prefill chunks and decode batches in turn, and N requests'
-    # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes").
+    # prefill takes about N x TTFT(c=1); the rest is decode (docs/sglang.md, "Where the time goes"). Each entry
+    # names its load: the newest row of a configuration may have run another request count than its neighbours.
     split = {}
     for (model, length, config), r in sorted(tput.items()):
         if r.get("ttft_concurrency1_s") and r.get("wall_s") and r.get("requests"):
             prefill = r["requests"] * r["ttft_concurrency1_s"]
-            split[_label(model, length, config)] = {"prefill_s": prefill, "decode_s": r["wall_s"] - prefill,
-                            "prefill_share": prefill / r["wall_s"]}
+            split[_label(model, length, config)] = {"requests": r["requests"], "prefill_s": prefill,
+                                                    "decode_s": r["wall_s"] - prefill,
+                                                    "prefill_share": prefill / r["wall_s"]}
     if split:
         out["wall_time_split_estimate"] = split
     soak = [r for r in rows if r["part"] == "soak"]

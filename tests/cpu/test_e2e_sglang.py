@@ -280,7 +280,7 @@ def test_throughput_summary():
     assert "wall_time_split_estimate" not in s   # no wall time and request count in these rows
     timed = [dict(r, wall_s=40.0, requests=10) for r in rows[:2]]
     split = results.summarize(timed)["wall_time_split_estimate"]
-    assert split["32768/mpfa-qk4pv8"] == {"prefill_s": 9.0, "decode_s": 31.0, "prefill_share": 9.0 / 40.0}
+    assert split["32768/mpfa-qk4pv8"] == {"requests": 10, "prefill_s": 9.0, "decode_s": 31.0, "prefill_share": 9.0 / 40.0}
     merged = results.merge_rows(rows, [row("mpfa-qk4pv8", 32768, 300.0)])
     assert len(merged) == len(rows) and results.summarize(merged)["output_throughput_ratio_vs_flashinfer_bf16"]["32768"] == 3.0
 
