@@ -10,19 +10,26 @@ three requests of ``--input-len`` tokens and one output token, each prompt new (
 
 1. a warmup (JIT modules, allocator);
 2. one timed without the profiler (``ttft_s``);
-3. one inside SGLang's torch profiler (``POST /start_profile`` with GPU activity only, then ``/stop_profile``).
+3. one inside SGLang's torch profiler (``POST /start_profile`` with GPU activity only, then ``/stop_profile``);
+4. one more with the host's activity too (torch ops and CUDA runtime calls, no Python stacks), which says what
+   the host was doing while the GPU waited.
 
 The third's trace is read back from ``<out>/traces/<config>``: every kernel (and memcpy / memset) event is summed
 by kind (KINDS, the first pattern its name matches), and the span from the first kernel's start to the last
 one's end, less the union of the kernels' intervals, is the time the GPU waited on the host (``host_wait_ms``;
-the profiler itself adds some). ``top_kernels`` names the 15 longest in total. The summary gives each kind's
+the profiler itself adds some). ``top_kernels`` names the 15 longest in total. The fourth's trace
+(``<out>/traces/<config>/host``) gives ``host_during_gpu_wait``: the GPU's idle stretches of at least MIN_GAP_US,
+their count and total, and per host category (``cpu_op``, ``cuda_runtime``, ...) the events that ran inside them,
+by time inside (nested torch ops each count theirs: the names say where, the sum is not a total). A sync shows
+as a ``cudaStreamSynchronize`` / ``cudaMemcpyAsync`` ending where a gap ends. The summary gives each kind's
 difference, mpfa's configuration less each peer's, in ms per prefill.
 
 ``<out>/prefill_profile_h200.json`` (default ``benchmarks/results/scratch/prefill_profile``, never the published
-folder: the lead publishes). Time: per configuration a server start (~60-90 s) and three prefills.
+folder: the lead publishes). Time: per configuration a server start (~60-90 s) and four prefills.
 """
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -60,6 +67,9 @@ KINDS = (
     ("elementwise and copies", r"elementwise|copy|memcpy|memset|fill|index|gather|scatter|cat|reduce|vectorized"),
 )
 EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
+# An idle stretch shorter than this is a launch's own latency, not the host holding the GPU up.
+MIN_GAP_US = 20.0
 
 
 def kind_of(name: str) -> str:
@@ -72,6 +82,46 @@ def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace   # torch writes a dict; a bare list is valid too
     return [(e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and e.get("cat") in EVENT_CATEGORIES and "ts" in e]
+
+
+def host_events(trace: dict) -> list[tuple[str, str, float, float]]:
+    """(category, name, start us, duration us) of the host's events of a chrome trace (HOST_CATEGORIES)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return [(e["cat"], e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and "ts" in e]
+
+
+def idle_gaps(events: list[tuple[str, float, float]], min_us: float = MIN_GAP_US) -> list[tuple[float, float]]:
+    """(start, end) us of every stretch of at least ``min_us`` between the GPU events' busy intervals."""
+    gaps, end = [], None
+    for _, start, dur in sorted(events, key=lambda e: e[1]):
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start))
+        end = start + dur if end is None else max(end, start + dur)
+    return gaps
+
+
+def host_during_gaps(gaps: list[tuple[float, float]], host: list[tuple[str, str, float, float]],
+                     top: int = 12) -> dict:
+    """The GPU's idle stretches (count, ms, those of 1 ms or more) and, per host category, the ``top`` host events
+    by their time inside them (ms, how many of them overlapped one)."""
+    starts = [g[0] for g in gaps]
+    inside: dict = {}
+    for cat, name, start, dur in host:
+        i, stop, t = max(bisect.bisect_right(starts, start) - 1, 0), start + dur, 0.0
+        while i < len(gaps) and gaps[i][0] < stop:
+            t += max(0.0, min(gaps[i][1], stop) - max(gaps[i][0], start))
+            i += 1
+        if t > 0:
+            acc = inside.setdefault(cat, {}).setdefault(name, [0.0, 0])
+            acc[0] += t
+            acc[1] += 1
+    long_gaps = [b - a for a, b in gaps if b - a >= 1000.0]
+    return {"gaps": len(gaps), "gap_ms": round(sum(b - a for a, b in gaps) / 1000, 3),
+            "gaps_of_1ms_or_more": len(long_gaps), "gaps_of_1ms_or_more_ms": round(sum(long_gaps) / 1000, 3),
+            "host_events_inside": {cat: [{"name": n[:160], "ms": round(v[0] / 1000, 3), "count": v[1]}
+                                         for n, v in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]
+                                   for cat, names in sorted(inside.items())}}
 
 
 def busy_us(events: list[tuple[str, float, float]]) -> float:
@@ -108,13 +158,14 @@ def summarize_events(events: list[tuple[str, float, float]], top: int = 15) -> d
                             for name, (ms, n) in longest]}
 
 
-def read_traces(folder: Path) -> list[tuple[str, float, float]]:
-    """Every GPU event of the traces in ``folder`` (``*.json`` or ``*.json.gz``, one per TP rank)."""
+def read_traces(folder: Path, extract=kernel_events) -> list:
+    """``extract``'s events (default: every GPU event) of the traces in ``folder`` (``*.json`` or ``*.json.gz``,
+    one per TP rank; not its subfolders)."""
     events = []
     for path in sorted(folder.glob("*.json*")):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
-            events += kernel_events(json.load(f))
+            events += extract(json.load(f))
     return events
 
 
@@ -137,12 +188,13 @@ def profile_config(config: str, args, logs: Path, traces: Path) -> dict:
     max_pos = cfg["max_position_embeddings"]
     context = server_context_length(args.input_len, 1, max_pos)
     argv, extra = server_argv(config, args.model, context_length=context, mem_fraction=0.85, tp=1, port=args.port)
-    warm, timed, profiled = (make_inputs(1, args.input_len, cfg["vocab_size"], seed=s)[0] for s in (11, 12, 13))
+    warm, timed, profiled, host_profiled = (make_inputs(1, args.input_len, cfg["vocab_size"], seed=s)[0]
+                                            for s in (11, 12, 13, 14))
     row = {"config": config, "model": args.model, "input_len": args.input_len, "page_size": PAGE_SIZE}
     one_token = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
-    folder = traces / config
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.json*"):   # an earlier run's traces would be read with this one's
+    folder, host_folder = traces / config, traces / config / "host"
+    host_folder.mkdir(parents=True, exist_ok=True)
+    for old in [*folder.glob("*.json*"), *host_folder.glob("*.json*")]:   # else read with this run's
         old.unlink()
     try:
         with Server(argv, server_env(**extra, HF_HUB_OFFLINE="1"), logs / f"prefill-profile-{config}.log",
@@ -155,14 +207,21 @@ def profile_config(config: str, args, logs: Path, traces: Path) -> dict:
                     raise RuntimeError(f"{name} request: {res.error}")
                 flush_radix_cache(srv.base)
             row["ttft_s"] = round(res.ttft, 4)
-            http_json(f"{srv.base}/start_profile", {"output_dir": str(folder), "activities": ["GPU"]}, timeout=120)
-            res = stream_generate(args.port, profiled, one_token)
-            http_json(f"{srv.base}/stop_profile", {}, timeout=600)
-            if res.error:
-                raise RuntimeError(f"profiled request: {res.error}")
-            row["ttft_profiled_s"] = round(res.ttft, 4)
-            row["trace_files"] = [p.name for p in wait_for_traces(folder)]
-        row.update(summarize_events(read_traces(folder)), status="ok")
+            for name, prompt, where, activities in (("profiled", profiled, folder, ["GPU"]),
+                                                    ("host_profiled", host_profiled, host_folder, ["CPU", "GPU"])):
+                http_json(f"{srv.base}/start_profile", {"output_dir": str(where), "activities": activities,
+                                                        "with_stack": False}, timeout=120)
+                res = stream_generate(args.port, prompt, one_token)
+                http_json(f"{srv.base}/stop_profile", {}, timeout=600)
+                if res.error:
+                    raise RuntimeError(f"{name} request: {res.error}")
+                row[f"ttft_{name}_s"] = round(res.ttft, 4)
+                row[f"{name}_trace_files"] = [p.name for p in wait_for_traces(where)]
+                flush_radix_cache(srv.base)
+        row.update(summarize_events(read_traces(folder)))
+        row["host_during_gpu_wait"] = host_during_gaps(idle_gaps(read_traces(host_folder)),
+                                                       read_traces(host_folder, host_events))
+        row["status"] = "ok"
     except Exception as e:   # the row records it; the other configurations still run
         row.update(status="error", error=f"{type(e).__name__}: {e}"[:800])
     return row
@@ -211,15 +270,18 @@ def main(argv=None) -> int:
                                       input_len=args.input_len, model=args.model, kinds=[k for k, _ in KINDS]),
            "rows": []}
     for config in configs:
-        print(f"{config}: server, then three {args.input_len}-token prefills", flush=True)
+        print(f"{config}: server, then four {args.input_len}-token prefills", flush=True)
         doc["rows"].append(profile_config(config, args, logs, traces))
         doc["summary"] = compare(doc["rows"], configs[0])
         (out / FILE).write_text(json.dumps(doc, indent=1) + "\n")   # after each configuration
     for r in doc["rows"]:
-        print(f"{r['config']}: " + (f"TTFT {r['ttft_s']:.3f} s; kernels {r['busy_ms']:.1f} ms busy of a "
-                                     f"{r['span_ms']:.1f} ms span; " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                                                   r["kernels_ms"].items())
-                                     if r["status"] == "ok" else r["error"]))
+        if r["status"] != "ok":
+            print(f"{r['config']}: {r['error']}")
+            continue
+        wait = r["host_during_gpu_wait"]
+        print(f"{r['config']}: TTFT {r['ttft_s']:.3f} s; kernels {r['busy_ms']:.1f} ms busy of a {r['span_ms']:.1f} ms "
+              f"span; " + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
+              + f"; with the host traced, the GPU idled {wait['gap_ms']:.1f} ms in {wait['gaps']} stretches")
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out / FILE}")
     return 1 if any(r["status"] != "ok" for r in doc["rows"]) else 0

@@ -52,6 +52,32 @@ def test_traces_are_read_from_gzip_and_plain_json_keeping_gpu_events_only(tmp_pa
     assert s["span_ms"] == 0.12 and s["host_wait_ms"] == pytest.approx(0.045)
 
 
+def test_the_hosts_work_inside_the_gpus_idle_stretches_is_named(tmp_path):
+    """A trace with CPU activity: GPU kernels [0, 100) [150, 250) [255, 300) [1500, 1600) (the 5-us gap is a launch's
+    latency, under MIN_GAP_US); host events overlapping the 50-us and 1,200-us gaps count their time inside them."""
+    gpu = [_event("gemm", 0, 100), _event("gemm", 150, 100), _event("norm", 255, 45),
+           _event("prefill_kernel", 1500, 100)]
+    host = [_event("cudaStreamSynchronize", 90, 60, cat="cuda_runtime"),      # 50 us inside [100, 150)
+            _event("aten::item", 80, 75, cat="cpu_op"),                        # 50 us inside [100, 150)
+            _event("mpfa plan", 400, 1000, cat="user_annotation"),             # 1,000 us inside [300, 1500)
+            _event("aten::copy_", 1450, 100, cat="cpu_op"),                    # 50 us inside [300, 1500)
+            _event("aten::copy_", 10, 20, cat="cpu_op"),                       # while the GPU ran: not counted
+            _event("cudaLaunchKernel", 1490, 5, cat="cuda_runtime")]           # 5 us
+    (tmp_path / "r0.trace.json").write_text(json.dumps({"traceEvents": gpu + host}))
+    gaps = pp.idle_gaps(pp.read_traces(tmp_path))
+    assert gaps == [(100.0, 150.0), (300.0, 1500.0)]
+    h = pp.host_during_gaps(gaps, pp.read_traces(tmp_path, pp.host_events))
+    assert h["gaps"] == 2 and h["gap_ms"] == 1.25
+    assert h["gaps_of_1ms_or_more"] == 1 and h["gaps_of_1ms_or_more_ms"] == 1.2
+    inside = h["host_events_inside"]
+    assert inside["user_annotation"] == [{"name": "mpfa plan", "ms": 1.0, "count": 1}]
+    assert inside["cpu_op"] == [{"name": "aten::item", "ms": 0.05, "count": 1},
+                                {"name": "aten::copy_", "ms": 0.05, "count": 1}]
+    assert inside["cuda_runtime"] == [{"name": "cudaStreamSynchronize", "ms": 0.05, "count": 1},
+                                      {"name": "cudaLaunchKernel", "ms": 0.005, "count": 1}]
+    assert pp.host_during_gaps([], [("cpu_op", "x", 0.0, 10.0)])["host_events_inside"] == {}
+
+
 def test_the_summary_sets_the_headline_against_each_peer():
     def row(config, kinds, busy, span, ttft):
         return {"config": config, "status": "ok", "kernels_ms": kinds, "busy_ms": busy, "span_ms": span,
