@@ -200,9 +200,11 @@ def _throughput_summary(rows: list[dict]) -> dict:
             out[key] = {_label(*place): v for place, v in ratio.items()}
             llama = {place[1]: place for place in pairs if place[0] == "llama-3.1-8b"}
             # one figure over the three lengths for one build: a geomean over some lengths, or over lengths
-            # measured with different mpfa kernels (a rerun of some lengths only), would blend figures
+            # measured with different mpfa kernels or host code (a rerun of some lengths only), would blend
+            # figures; rows from before ``mpfa_host_source`` are judged by their kernels alone
             builds = {_build(pairs[place][0]) for place in llama.values()}
-            if set(GEOMEAN_LENGTHS) <= set(llama) and len(builds) == 1:
+            hosts = {pairs[place][0].get("mpfa_host_source") for place in llama.values()} - {None}
+            if set(GEOMEAN_LENGTHS) <= set(llama) and len(builds) == 1 and len(hosts) <= 1:
                 out[key + "_geomean"] = geomean([ratio[llama[n]] for n in GEOMEAN_LENGTHS])
     fp8w = _measured(_throughput_rows(rows, "fixed", FP8_WEIGHTS), by_length)
     for peer, suffix in PEERS.items():

@@ -355,6 +355,23 @@ def mpfa_kernel_builds(config: str, model: str, tp: int) -> list[str] | None:
         return None
 
 
+def mpfa_host_source() -> str:
+    """sha256 (12 hex digits) of the Python an mpfa server runs around its kernels (the ``mpfa`` and ``mpfa_jit``
+    packages' .py files: planning, the SGLang plugin, the wrappers), so two rows of the same kernels but other
+    host code are not taken for one build."""
+    import hashlib
+
+    import mpfa
+    import mpfa_jit
+    h = hashlib.sha256()
+    for pkg in (mpfa, mpfa_jit):
+        root = Path(pkg.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{pkg.__name__}/{path.relative_to(root).as_posix()}\0".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 @dataclass
 class Load:
     """One load a configuration's server runs: ``args`` as a run of that load alone would have them (its
@@ -374,6 +391,7 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar,
                                   tp=args.tp, port=args.port, weights=args.weights)
     env = server_env(**env_extra, HF_HUB_OFFLINE="1")
     builds = mpfa_kernel_builds(config, args.model, args.tp)   # before the server: a failure here costs no GPU time
+    host_source = mpfa_host_source() if builds else None
     lengths = [ld.args.input_len for ld in loads]
     rows = []
     for load in loads:
@@ -386,7 +404,7 @@ def run_config(config: str, loads: list[Load], context: int, log_dir: Path, bar,
                      # which GPU of the host, so runs of parallel queues (one GPU each) say so
                      "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "context_length": context,
                      **({"server_lengths": lengths} if len(loads) > 1 else {}),
-                     **({"mpfa_kernels": builds} if builds else {})})
+                     **({"mpfa_kernels": builds, "mpfa_host_source": host_source} if builds else {})})
     label = "-".join(workload_label(ld.args) for ld in loads)
     t0 = time.perf_counter()
     done = 0

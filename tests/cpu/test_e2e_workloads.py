@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import mpfa
 from benchmarks import results_io
 from benchmarks.e2e import results
 from benchmarks.e2e import throughput as tp
@@ -207,6 +209,12 @@ def test_summary_geomean_is_over_one_mpfa_build():
     rows[1]["mpfa_kernels"] = rows[3]["mpfa_kernels"] = rows[5]["mpfa_kernels"] = ["prefill_x_0123456789ab"]
     rows[3]["commit"] = "later"
     assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" in results.summarize(rows)
+    # the host code around the same kernels too, where rows say it (rows from before the field do not)
+    rows[1]["mpfa_host_source"] = rows[5]["mpfa_host_source"] = "aaaaaaaaaaaa"
+    assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" in results.summarize(rows)
+    rows[3]["mpfa_host_source"] = "bbbbbbbbbbbb"
+    assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" not in results.summarize(rows)
+    rows[3]["mpfa_host_source"] = "aaaaaaaaaaaa"
     rows[3]["mpfa_kernels"] = ["prefill_x_ba9876543210"]
     assert "output_throughput_ratio_vs_flashinfer_bf16_geomean" not in results.summarize(rows)
 
@@ -218,6 +226,19 @@ def test_mpfa_rows_name_the_kernels_their_server_loads(monkeypatch):
     assert all("recipe-qk4pv8" in b and re.fullmatch(r".*_sm_90a_[0-9a-f]{12}", b) for b in builds)
     assert tp.mpfa_kernel_builds("mpfa-bf16", "llama-3.1-8b", 1) != builds
     assert tp.mpfa_kernel_builds("flashinfer-bf16", "llama-3.1-8b", 1) is None
+
+
+def test_mpfa_rows_name_their_host_code(tmp_path, monkeypatch):
+    """The hash covers the served packages' Python: stable, and another for a changed file."""
+    first = tp.mpfa_host_source()
+    assert re.fullmatch(r"[0-9a-f]{12}", first) and tp.mpfa_host_source() == first
+    real = Path(mpfa.__file__).parent
+    copy = tmp_path / "mpfa"
+    shutil.copytree(real, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(mpfa, "__file__", str(copy / "__init__.py"))
+    assert tp.mpfa_host_source() == first
+    (copy / "prefill.py").write_text((copy / "prefill.py").read_text() + "\n# a host-side change\n")
+    assert tp.mpfa_host_source() != first
 
 
 def test_the_plot_shows_beside_the_headline_only_rows_of_its_load():
