@@ -319,8 +319,9 @@ def test_bad_workload_arguments_are_refused_naming_the_argument(capsys, tmp_path
 
 # --- a whole run against a stand-in server ---------------------------------------------------------------------------
 
-# Answers what the benchmark asks of SGLang: /health, /server_info, /flush_cache and streamed /generate (one SSE event per
-# token), refusing requests longer than --context-length as SGLang does. Prefill takes 1 us a prompt token;
+# Answers what the benchmarks ask of SGLang: /health, /server_info, /v1/models (bench_serving's ready check),
+# /flush_cache and streamed /generate (one SSE event per token, its cumulative text as SGLang streams it), refusing
+# requests longer than --context-length as SGLang does. Prefill takes 1 us a prompt token;
 # decode 3 ms a token under mpfa (MPFA_RECIPE set) and 8 ms under flashinfer, so the ratios have a known sign.
 STAND_IN_SGLANG = textwrap.dedent('''\
     import argparse, json, os, sys, time
@@ -344,11 +345,13 @@ STAND_IN_SGLANG = textwrap.dedent('''\
         def do_GET(self):
             if self.path in ("/health", "/server_info"):
                 self._send(200, json.dumps({"max_total_num_tokens": 4321}).encode())
+            elif self.path == "/v1/models":
+                self._send(200, json.dumps({"object": "list", "data": [{"id": "stand-in", "object": "model"}]}).encode())
             else:
                 self._send(404, b"{}")
 
         def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))   # bench_serving flushes with none
             if self.path.startswith("/flush_cache"):
                 if os.environ.get("STAND_IN_FLUSH_REFUSE"):
                     return self._send(400, b"Cache not flushed because there are pending requests.")
@@ -361,6 +364,7 @@ STAND_IN_SGLANG = textwrap.dedent('''\
                     with open(src) as f, open(os.environ["STAND_IN_FLUSH_SNAPSHOT"], "w") as g:
                         g.write(f.read())
                 return self._send(200, b"Cache flushed.\\n")
+            req = json.loads(body)
             ids, new = req["input_ids"], req["sampling_params"]["max_new_tokens"]
             if len(ids) + new > args.context_length:
                 return self._send(400, b'{"error": "longer than the context length"}')
@@ -370,7 +374,7 @@ STAND_IN_SGLANG = textwrap.dedent('''\
             for i in range(1, new + 1):
                 if i > 1:
                     time.sleep(GAP)
-                event = {"output_ids": list(range(i)), "meta_info": {"completion_tokens": i}}
+                event = {"text": " w" * i, "output_ids": list(range(i)), "meta_info": {"completion_tokens": i}}
                 self.wfile.write(b"data: " + json.dumps(event).encode() + b"\\n\\n")
             self.wfile.write(b"data: [DONE]\\n\\n")
 
@@ -489,6 +493,31 @@ def test_several_lengths_refusals(tmp_path, capsys):
     assert "each length once" in _refusal(capsys, ["--input-len", "256,256", *out])
     assert "positive token counts" in _refusal(capsys, ["--input-len", "256,-1", *out])
     assert "exceeds llama-3.1-8b's 131072 positions" in _refusal(capsys, ["--input-len", "256,131000", *out])
+
+
+def test_serving_runs_sglangs_own_client_against_a_server(stand_in_sglang, tmp_path, monkeypatch):
+    """benchmarks.e2e.serving end to end with SGLang's real client (where SGLang is installed; the GPU machine has
+    it, CI does not) against the stand-in server: the synthetic tokenizer, the client's flags and ready check, its
+    JSONL read into rows, the per-rate ratios of one run and the plot."""
+    pytest.importorskip("sglang.bench_serving")
+    from benchmarks.e2e import serving
+    monkeypatch.setattr(serving, "HEADLINE", "sglang-fa3-fp8kv")   # the stand-in serves no mpfa launcher
+    assert serving.main(["--rates", "2,4", "--prompts", "10", "--configs", "sglang-fa3-bf16,sglang-fa3-fp8kv",
+                         "--port", str(stand_in_sglang), "--out", str(tmp_path)]) == 0
+    doc = results_io.read(tmp_path / f"{serving.RESULT}.json")
+    rows = {(r["config"], r["rate"]): r for r in doc["rows"]}
+    assert set(rows) == {(c, r) for c in ("sglang-fa3-bf16", "sglang-fa3-fp8kv") for r in (2.0, 4.0)}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["completed"] == 10 and r["attempts"] == 1 and r["max_total_num_tokens"] == 4321
+        assert 6.0 < r["median_itl_ms"] < 40.0 and r["median_ttft_ms"] > 0 and r["output_throughput"] > 0
+        assert r["p99_e2e_latency_ms"] >= r["median_e2e_latency_ms"] > r["median_ttft_ms"]
+    s = doc["summary"]
+    assert s["rates"] == [2.0, 4.0] and set(s["ttft_p50_ratio_vs_sglang_fa3_bf16"]) == {"2.0", "4.0"}
+    assert s["output_throughput_ratio_vs_sglang_fa3_bf16"]["2.0"] == pytest.approx(
+        rows["sglang-fa3-fp8kv", 2.0]["output_throughput"] / rows["sglang-fa3-bf16", 2.0]["output_throughput"])
+    assert (tmp_path / f"{serving.RESULT}.png").exists()
+    assert sorted(p.name for p in (tmp_path / "logs" / "serving").glob("*.jsonl")) == [
+        f"{c}-{r}.jsonl" for c in ("sglang-fa3-bf16", "sglang-fa3-fp8kv") for r in (2, 4)]
 
 
 def test_publish_moves_a_run_into_place_only_when_every_server_succeeded(stand_in_sglang, tmp_path, monkeypatch,
