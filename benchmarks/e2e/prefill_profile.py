@@ -77,18 +77,22 @@ def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, low)), "other")
 
 
-def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of every GPU event of a chrome trace (torch profiler's export)."""
+def _complete_events(trace: dict, categories: tuple[str, ...]) -> list[dict]:
+    """The complete ("X") events of a chrome trace (torch profiler's export) in ``categories``."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace   # torch writes a dict; a bare list is valid too
-    return [(e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("cat") in EVENT_CATEGORIES and "ts" in e]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in categories and "ts" in e]
+
+
+def kernel_events(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every GPU event of a chrome trace."""
+    return [(e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0)))
+            for e in _complete_events(trace, EVENT_CATEGORIES)]
 
 
 def host_events(trace: dict) -> list[tuple[str, str, float, float]]:
     """(category, name, start us, duration us) of the host's events of a chrome trace (HOST_CATEGORIES)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [(e["cat"], e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and "ts" in e]
+    return [(e["cat"], e.get("name", "?"), float(e["ts"]), float(e.get("dur", 0.0)))
+            for e in _complete_events(trace, HOST_CATEGORIES)]
 
 
 def idle_gaps(events: list[tuple[str, float, float]], min_us: float = MIN_GAP_US) -> list[tuple[float, float]]:
@@ -125,14 +129,11 @@ def host_during_gaps(gaps: list[tuple[float, float]], host: list[tuple[str, str,
 
 
 def busy_us(events: list[tuple[str, float, float]]) -> float:
-    """The union of the events' intervals (kernels of several streams overlap), in us."""
-    total, end = 0.0, float("-inf")
-    for _, start, dur in sorted(events, key=lambda e: e[1]):
-        stop = start + dur
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
+    """The union of the events' intervals (kernels of several streams overlap), in us: their span less every gap."""
+    if not events:
+        return 0.0
+    span = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    return span - sum(end - start for start, end in idle_gaps(events, min_us=0.0))
 
 
 def summarize_events(events: list[tuple[str, float, float]], top: int = 15) -> dict:

@@ -358,10 +358,8 @@ STAND_IN_SGLANG = textwrap.dedent('''\
                 if os.environ.get("STAND_IN_FLUSH_LOG"):
                     with open(os.environ["STAND_IN_FLUSH_LOG"], "a") as f:
                         f.write(f"{args.port} {args.context_length}\\n")
-                if os.environ.get("STAND_IN_FLUSH_SNAPSHOT"):   # the results file as the client left it between loads
-                    with open(os.environ["STAND_IN_FLUSH_SNAPSHOT"][:-5] + "-source.txt") as f:
-                        src = f.read().strip()
-                    with open(src) as f, open(os.environ["STAND_IN_FLUSH_SNAPSHOT"], "w") as g:
+                if os.environ.get("STAND_IN_FLUSH_SNAPSHOT"):   # STAND_IN_RESULTS as the client left it between loads
+                    with open(os.environ["STAND_IN_RESULTS"]) as f, open(os.environ["STAND_IN_FLUSH_SNAPSHOT"], "w") as g:
                         g.write(f.read())
                 return self._send(200, b"Cache flushed.\\n")
             req = json.loads(body)
@@ -476,7 +474,7 @@ def test_each_finished_load_is_in_the_results_file_before_the_next_load_runs(sta
     """A device call can end in the middle of a configuration's loads: the loads it finished must already be in the
     results file (the seventh session lost two finished fa3 BF16 loads that were kept only until the third's end)."""
     snapshot = tmp_path / "between-loads.json"
-    (tmp_path / "between-loads-source.txt").write_text(str(tmp_path / f"{results.RESULT}.json"))
+    monkeypatch.setenv("STAND_IN_RESULTS", str(tmp_path / f"{results.RESULT}.json"))
     monkeypatch.setenv("STAND_IN_FLUSH_SNAPSHOT", str(snapshot))
     assert tp.main(["--input-len", "256,512", "--requests", "2", "--configs", "flashinfer-bf16,mpfa-qk4pv8",
                     "--output-len", "16", "--no-ttft-probe", "--port", str(stand_in_sglang), "--out", str(tmp_path)]) == 0
