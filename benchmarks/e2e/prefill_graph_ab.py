@@ -18,8 +18,9 @@ The file ``<out>/prefill_graph_ab_h200.json`` has, per recipe: each server's sta
 backend and page size it reports (/server_info: whether the policy took), its TTFTs; per length the TTFT
 medians on and off and their ratio on/off (below 1: the graph is faster); whether the greedy tokens are
 identical (and where each prompt first differs); and ``keep_on`` (identical tokens and a geomean TTFT ratio
-of at most 1.0: the condition for settings.PREFILL_CUDA_GRAPH = True). Dummy weights make near-ties common,
-so different tokens there are a reason to look, not proof of an error: ``--tokens-model`` (a folder with
+of at most 1.0: the condition for mpfa.sglang.settings.PREFILL_CUDA_GRAPH[recipe] = True; the published runs,
+``benchmarks/results/studies/prefill_graph_ab*_h200.json``, one recipe each, are what a CPU test holds that table
+to). Dummy weights make near-ties common, so different tokens there are a reason to look, not proof of an error: ``--tokens-model`` (a folder with
 real weights, e.g. server_configs/models/smollm2-135m after ``python -m benchmarks.e2e.smollm2_hf``) repeats
 the token check on it with two more servers.
 

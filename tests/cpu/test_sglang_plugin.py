@@ -618,28 +618,55 @@ def test_page_size_hook_reads_sglangs_resolving_view(monkeypatch):
     assert args.page_size is None and calls == [args]   # SGLang's step then materializes its 64
 
 
+def _set_policy(monkeypatch, on: bool):
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", dict.fromkeys(S.PREFILL_CUDA_GRAPH, on))
+
+
 # (policy, disable_prefill_cuda_graph after the hook, the graph SGLang then derives, the start of the one log line)
 _POLICY_LINES = [
     (False, True, "disabled", "mpfa: prefill CUDA graph off: mpfa turned SGLang's default prefill graph off (mpfa "
-                              "prefill_cuda_graph policy off, mpfa's default; MPFA_PREFILL_CUDA_GRAPH=1"),
+                              "prefill_cuda_graph policy off, mpfa's default for qk4pv8; MPFA_PREFILL_CUDA_GRAPH=1"),
     (True, False, "breakable", "mpfa: prefill CUDA graph on: SGLang's default prefill graph kept (mpfa "
-                               "prefill_cuda_graph policy on, mpfa's default)"),
+                               "prefill_cuda_graph policy on, mpfa's default for qk4pv8)"),
 ]
 
 
 @pytest.mark.parametrize("policy,disabled,graph,line", _POLICY_LINES, ids=["policy-off", "policy-on"])
 def test_plain_command_prefill_graph_policy(policy, disabled, graph, line, hooked, caplog, monkeypatch):
     caplog.set_level("INFO", logger="mpfa.sglang.plugin")
-    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", policy)
+    _set_policy(monkeypatch, policy)
     args = hooked()
     assert args.disable_prefill_cuda_graph is disabled and args.prefill_graph == graph
     lines = [m for m in _mpfa_lines(caplog) if m.startswith("mpfa: prefill CUDA graph")]
     assert len(lines) == 1 and lines[0].startswith(line), lines
 
 
+def test_prefill_graph_default_is_the_served_recipes(hooked, monkeypatch, tmp_path):
+    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", {**dict.fromkeys(S.PREFILL_CUDA_GRAPH, False), "bf16": True})
+    assert hooked().prefill_graph == "disabled"   # qk4pv8, mpfa's default recipe
+    monkeypatch.setenv("MPFA_RECIPE", "bf16")
+    assert hooked().prefill_graph == "breakable"
+    monkeypatch.delenv("MPFA_RECIPE")
+    monkeypatch.setenv("MPFA_CONFIG", str(_yaml(tmp_path, "model: m\nmpfa: {recipe: bf16}\n")))
+    assert S.resolve_prefill_cuda_graph() == (True, "mpfa's default for bf16")
+    assert hooked().prefill_graph == "breakable"
+
+
+def test_prefill_graph_defaults_are_the_h200_ab():
+    """Each recipe's default is the published A/B's keep_on (python -m benchmarks.e2e.prefill_graph_ab); a recipe
+    the A/B has not run keeps the graph off."""
+    measured = {}
+    for path in sorted((ROOT / "benchmarks/results/studies").glob("prefill_graph_ab*_h200.json")):
+        for recipe, r in json.loads(path.read_text())["summary"].items():
+            assert recipe not in measured, f"{recipe} in two A/B files"
+            measured[recipe] = r["keep_on"]
+    assert measured, "no prefill-graph A/B published"
+    assert S.PREFILL_CUDA_GRAPH == {r: measured.get(r, False) for r in S.PREFILL_CUDA_GRAPH}
+
+
 @pytest.mark.parametrize("default", [False, True])
 def test_prefill_graph_policy_overrides(hooked, monkeypatch, tmp_path, default):
-    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", default)
+    _set_policy(monkeypatch, default)
     for value, on in (("1", True), ("off", False)):
         monkeypatch.setenv("MPFA_PREFILL_CUDA_GRAPH", value)
         assert hooked().prefill_graph == ("breakable" if on else "disabled")
@@ -664,7 +691,7 @@ def test_prefill_graph_policy_overrides(hooked, monkeypatch, tmp_path, default):
 ])
 def test_a_configured_prefill_graph_is_left_alone(hooked, caplog, monkeypatch, flags, graph, said, default):
     caplog.set_level("INFO", logger="mpfa.sglang.plugin")
-    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", default)
+    _set_policy(monkeypatch, default)
     args = hooked(**flags)
     if "cuda_graph_config" in flags:   # the stand-in's parse ignores the JSON: what matters is mpfa's flag
         assert args.disable_prefill_cuda_graph is False
@@ -677,7 +704,7 @@ def test_a_configured_prefill_graph_is_left_alone(hooked, caplog, monkeypatch, f
 
 def test_cuda_graph_config_object_with_only_decode_settings_is_not_a_prefill_choice(hooked, monkeypatch):
     """SGLang's CudaGraphConfig.to_dict() holds the fields that differ from its defaults."""
-    monkeypatch.setattr(S, "PREFILL_CUDA_GRAPH", False)
+    _set_policy(monkeypatch, False)
 
     class Cfg:
         def __init__(self, d):

@@ -5,7 +5,7 @@ SGLang is not importable):
         --load-format dummy --skip-tokenizer-init            (+ --port: nothing about pages or prefill graphs)
 
 The plugin must choose the page size (16, logged: mpfa decodes fastest there) and apply mpfa's prefill CUDA
-graph policy (settings.PREFILL_CUDA_GRAPH, logged), with no extra flag, and the server must answer one
+graph policy (settings.PREFILL_CUDA_GRAPH of the recipe, logged), with no extra flag, and the server must answer one
 ``/generate`` of a few hundred input_ids with 16 tokens. The recipe is the default (qk4pv8): the server's
 environment carries no MPFA_* setting (benchmarks.e2e.server.server_env keeps only MPFA_CACHE_DIR).
 
@@ -72,10 +72,11 @@ def test_plain_command_logs_mpfa_choices(plain_server):
     text = log.read_text(errors="replace")
     page_line = plugin.PAGE_SIZE_LOG.split("%d")[0] + f"{settings.DEFAULT_PAGE_SIZE} ("
     assert page_line in text, f"no '{page_line}' line in the server log:\n{_log_tail(log)}"
-    state = "on:" if settings.PREFILL_CUDA_GRAPH else "off:"
+    keep = settings.PREFILL_CUDA_GRAPH[settings.DEFAULT_RECIPE]   # the server's environment sets no MPFA_*
+    state = "on:" if keep else "off:"
     graph_line = plugin.PREFILL_GRAPH_LOG % state
     assert graph_line in text, f"no '{graph_line}' line in the server log:\n{_log_tail(log)}"
     info = server_info(server.base)
     assert info["page_size"] == settings.DEFAULT_PAGE_SIZE
-    assert info["disable_prefill_cuda_graph"] is (not settings.PREFILL_CUDA_GRAPH)
+    assert info["disable_prefill_cuda_graph"] is (not keep)
     assert info["attention_backend"] == "mpfa"

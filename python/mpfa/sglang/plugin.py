@@ -211,14 +211,13 @@ def handle_cuda_graph_config_hook(original, server_args, *args, **kwargs):
             logger.info(PREFILL_GRAPH_LOG, f"as the command line sets it ({flags})")
         else:
             keep, source = resolve_prefill_cuda_graph()
-            where = "mpfa's default" if source == "default" else source
             if keep:
                 logger.info(PREFILL_GRAPH_LOG, f"on: SGLang's default prefill graph kept (mpfa prefill_cuda_graph "
-                                               f"policy on, {where})")
+                                               f"policy on, {source})")
             else:
                 server_args.disable_prefill_cuda_graph = True
                 logger.info(PREFILL_GRAPH_LOG, f"off: mpfa turned SGLang's default prefill graph off (mpfa "
-                                               f"prefill_cuda_graph policy off, {where}; {ENV_PREFILL_CUDA_GRAPH}=1 "
+                                               f"prefill_cuda_graph policy off, {source}; {ENV_PREFILL_CUDA_GRAPH}=1 "
                                                "keeps SGLang's default)")
     return original(server_args, *args, **kwargs)
 

@@ -13,7 +13,7 @@ Where each setting comes from, highest precedence first:
 2. the server config named by ``MPFA_CONFIG`` (``python -m mpfa.sglang.launch`` sets it): its ``mpfa:``
    section, and its page size ``sglang.page-size``;
 3. defaults: recipe ``qk4pv8``, compensation on, page size = SGLang's ``--page-size``, kernel backend ``auto``,
-   prefill CUDA graph :data:`PREFILL_CUDA_GRAPH`.
+   prefill CUDA graph :data:`PREFILL_CUDA_GRAPH` of the recipe.
 
 A server started without ``--page-size`` (the plain ``python -m sglang.launch_server --attention-backend mpfa``)
 serves :func:`served_page_size`: ``MPFA_PAGE_SIZE``, else the YAML's ``sglang.page-size``, else
@@ -66,13 +66,15 @@ PAGE_SIZES = _append_op.PAGE_SIZES        # every op serves the pages the cache 
 # benchmarks/results/studies/decode_page1_record_h200.json, 32 x 32K) read them 2-7% faster than 16 (qk4pv8 0.93 / 0.95
 # against 0.91, qk4pv4 0.77 / 0.78 against 0.73), not yet weighed end to end against a page's coarser prefix sharing.
 DEFAULT_PAGE_SIZE = 16
-# Whether mpfa leaves SGLang's default prefill CUDA graph (0.5.17: "breakable", attention eager between captured
-# segments) on when the command line does not configure the prefill graph. Off, as the H200 A/B decided
-# (python -m benchmarks.e2e.prefill_graph_ab, qk4pv8: the same tokens as eager, TTFT 0.6% slower on, geomean over
-# 512-32K prompts; benchmarks/results/studies/prefill_graph_ab_h200.json): mpfa's attention runs eagerly between
-# the captured segments either way, and with the graph on the prefill was no faster.
+# Per recipe: whether mpfa leaves SGLang's default prefill CUDA graph (0.5.17: "breakable", attention eager between
+# captured segments) on when the command line does not configure the prefill graph. The H200 A/B decided each
+# (python -m benchmarks.e2e.prefill_graph_ab: greedy tokens with the graph on and off, TTFT at 512-32K prompts;
+# on when the tokens are the same and the TTFT geomean on/off is at most 1.0): bf16 0.867 and qk8pv8 0.875, on
+# (eager 512-token prompts wait on the host: 33-43 ms against 20-24 ms captured; 2K-32K within +-4%); qk4pv8 1.006,
+# off (benchmarks/results/studies/prefill_graph_ab*_h200.json). qk4pv4 has not run with it: off.
 # MPFA_PREFILL_CUDA_GRAPH or the YAML's mpfa.prefill_cuda_graph override it.
-PREFILL_CUDA_GRAPH = False
+PREFILL_CUDA_GRAPH = {"bf16": True, "qk8pv8": True, "qk4pv8": False, "qk4pv4": False}
+assert set(PREFILL_CUDA_GRAPH) == set(RECIPES), "a prefill-graph policy for every recipe"
 TOP_LEVEL_KEYS = ("model", "sglang", "mpfa")
 SGLANG_VERSION = "0.5.17"   # the server flags a config's sglang: section is checked against (sglang_api.json)
 # SGLang's long spellings of the flags mpfa reads: one name each in ServerConfig.sglang
@@ -311,9 +313,10 @@ def resolve_prefill_cuda_graph(env: Mapping[str, str] | None = None,
                                config: ServerConfig | None = None) -> tuple[bool, str]:
     """(keep SGLang's default prefill CUDA graph on, where that came from): ``MPFA_PREFILL_CUDA_GRAPH``, else the
     YAML's ``mpfa.prefill_cuda_graph``, else its ``sglang.disable-prefill-cuda-graph: false`` (on: the flag the
-    launcher leaves out), else :data:`PREFILL_CUDA_GRAPH`. Only for a command line that does not configure the
-    prefill graph itself (``--disable-prefill-cuda-graph``, ``--cuda-graph-backend-prefill``, ``--cuda-graph-config``
-    with a prefill backend): those always win (mpfa.sglang.plugin)."""
+    launcher leaves out), else :data:`PREFILL_CUDA_GRAPH` of the recipe the server runs. Only for a command line
+    that does not configure the prefill graph itself (``--disable-prefill-cuda-graph``,
+    ``--cuda-graph-backend-prefill``, ``--cuda-graph-config`` with a prefill backend): those always win
+    (mpfa.sglang.plugin)."""
     env = os.environ if env is None else env
     if env.get(ENV_PREFILL_CUDA_GRAPH, "") != "":
         return parse_bool(ENV_PREFILL_CUDA_GRAPH, env[ENV_PREFILL_CUDA_GRAPH]), f"env {ENV_PREFILL_CUDA_GRAPH}"
@@ -325,7 +328,19 @@ def resolve_prefill_cuda_graph(env: Mapping[str, str] | None = None,
         flag = config.sglang.get("disable-prefill-cuda-graph")
         if flag is not None:
             return not parse_bool(f"{config.path}: sglang.disable-prefill-cuda-graph", flag), f"yaml {config.path}"
-    return PREFILL_CUDA_GRAPH, "default"
+    recipe = _resolve("recipe", env, config, DEFAULT_RECIPE)[0]
+    return PREFILL_CUDA_GRAPH[recipe], f"mpfa's default for {recipe}"
+
+
+def _resolve(key: str, env: Mapping[str, str], config: ServerConfig | None, default):
+    """(value, source) of one setting of _ENV_OF: its environment variable, else the YAML's mpfa: section
+    (page_size: sglang.page-size), else ``default``."""
+    if env.get(_ENV_OF[key], "") != "":
+        return _PARSERS[key](_ENV_OF[key], env[_ENV_OF[key]]), f"env {_ENV_OF[key]}"
+    from_yaml = config.page_size if key == "page_size" and config else (config.mpfa.get(key) if config else None)
+    if from_yaml is not None:
+        return from_yaml, f"yaml {config.path}"
+    return default, "default"
 
 
 def resolve_settings(*, server_page_size: int | None = None, env: Mapping[str, str] | None = None,
@@ -337,18 +352,10 @@ def resolve_settings(*, server_page_size: int | None = None, env: Mapping[str, s
     env = os.environ if env is None else env
     if config is None:
         config = config_from_env(env)
-    from_yaml = dict(config.mpfa) if config else {}
-    if config and config.page_size is not None:
-        from_yaml["page_size"] = config.page_size
     defaults = {"recipe": DEFAULT_RECIPE, "compensation": True, "page_size": server_page_size, "kernel_backend": "auto"}
     values, sources = {}, {}
-    for key, env_name in _ENV_OF.items():
-        if env.get(env_name, "") != "":
-            values[key], sources[key] = _PARSERS[key](env_name, env[env_name]), f"env {env_name}"
-        elif from_yaml.get(key) is not None:
-            values[key], sources[key] = from_yaml[key], f"yaml {config.path}"
-        else:
-            values[key], sources[key] = defaults[key], "default"
+    for key in _ENV_OF:
+        values[key], sources[key] = _resolve(key, env, config, defaults[key])
     if server_page_size is not None:
         server_page_size = parse_page_size("SGLang --page-size (mpfa pages)", server_page_size)
         if values["page_size"] != server_page_size:
