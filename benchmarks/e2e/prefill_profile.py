@@ -9,7 +9,9 @@ configuration one server with the throughput runs' settings (``benchmarks.e2e.th
 three requests of ``--input-len`` tokens and one output token, each prompt new (no radix-cache hit):
 
 1. a warmup (JIT modules, allocator);
-2. one timed without the profiler (``ttft_s``);
+2. one timed without the profiler (``ttft_s``), with nvidia-smi sampling the SM clock, power and clock-event
+   reasons meanwhile (``gpu_clocks_timed``, benchmarks.gpu_clocks): a compute-bound kind (GEMM) slower in one
+   server than in the other at the same shapes is a clock before it is a kernel;
 3. one inside SGLang's torch profiler (``POST /start_profile`` with GPU activity only, then ``/stop_profile``);
 4. one more with the host's activity too (torch ops and CUDA runtime calls, no Python stacks), which says what
    the host was doing while the GPU waited.
@@ -40,6 +42,7 @@ from pathlib import Path
 from benchmarks import cli
 from benchmarks import meta as bench_meta
 from benchmarks import publish
+from benchmarks.gpu_clocks import GpuSampler
 from benchmarks.e2e.server import Server, flush_radix_cache, http_json, server_env, server_info, stream_generate
 from benchmarks.e2e.throughput import (CONFIGS, MODELS, PAGE_SIZE, make_inputs, model_config, server_argv,
                                        server_context_length)
@@ -59,9 +62,9 @@ KINDS = (
     ("mpfa append", r"\bappend_kv_kernel\b"),
     ("peer attention", r"flash_fwd|flashattn|flash::|fmha|attention|batchprefill|batchdecode|singleprefill|"
                        r"prefillwith|decodewith|mergestate"),
+    ("norm", r"norm"),   # before GEMM: FlashInfer's CuTe-DSL RMSNorm is named kernel_cutlass_..._rmsnorm...
     ("GEMM", r"gemm|cutlass|nvjet|xmma|cublas|matmul|sm90_|wgmma"),
     ("KV store and casts", r"store_kv|kvcache|kv_buffer|fp8|quant|cast|convert"),
-    ("norm", r"norm"),
     ("activation", r"silu|gelu|act_and_mul"),
     ("rotary", r"rotary|rope"),
     ("elementwise and copies", r"elementwise|copy|memcpy|memset|fill|index|gather|scatter|cat|reduce|vectorized"),
@@ -203,11 +206,13 @@ def profile_config(config: str, args, logs: Path, traces: Path) -> dict:
             info = server_info(srv.base)
             row.update(startup_s=round(srv.startup_s, 1), chunked_prefill_size=info.get("chunked_prefill_size"))
             for name, prompt in (("warmup", warm), ("timed", timed)):
-                res = stream_generate(args.port, prompt, one_token)
+                with GpuSampler() as clocks:
+                    res = stream_generate(args.port, prompt, one_token)
                 if res.error:
                     raise RuntimeError(f"{name} request: {res.error}")
                 flush_radix_cache(srv.base)
             row["ttft_s"] = round(res.ttft, 4)
+            row["gpu_clocks_timed"] = clocks.summary()
             for name, prompt, where, activities in (("profiled", profiled, folder, ["GPU"]),
                                                     ("host_profiled", host_profiled, host_folder, ["CPU", "GPU"])):
                 http_json(f"{srv.base}/start_profile", {"output_dir": str(where), "activities": activities,
@@ -244,7 +249,19 @@ def compare(rows: list[dict], headline: str = HEADLINE) -> dict:
             **{k: round(head["kernels_ms"].get(k, 0.0) - r["kernels_ms"].get(k, 0.0), 3) for k in kinds},
             **{k: round(head[k] - r[k], 3) for k in ("busy_ms", "span_ms", "host_wait_ms")},
             "ttft_s": round(head["ttft_s"] - r["ttft_s"], 4)}
+        clocks = [x.get("gpu_clocks_timed", {}).get("sm_clock_mhz") for x in (head, r)]
+        if all(clocks):   # the timed prefill's median SM clock: a compute-bound kind's difference may be this
+            out[f"delta_ms_vs_{config}"]["sm_clock_mhz_median"] = clocks[0]["median"] - clocks[1]["median"]
     return out
+
+
+def _clock_words(clocks: dict) -> str:
+    if "sm_clock_mhz" not in clocks:
+        return f"; GPU clocks: {clocks.get('error', 'not sampled')}"
+    held = ", ".join(f"{k} {v:.0%}" for k, v in clocks["reasons"].items()) or "none"
+    return (f"; timed prefill at SM {clocks['sm_clock_mhz']['median']:.0f} MHz median "
+            f"({clocks['sm_clock_mhz']['min']:.0f}-{clocks['sm_clock_mhz']['max']:.0f}), "
+            f"{clocks['power_w']['mean']:.0f} W mean, clock-event reasons: {held}")
 
 
 def main(argv=None) -> int:
@@ -282,7 +299,8 @@ def main(argv=None) -> int:
         wait = r["host_during_gpu_wait"]
         print(f"{r['config']}: TTFT {r['ttft_s']:.3f} s; kernels {r['busy_ms']:.1f} ms busy of a {r['span_ms']:.1f} ms "
               f"span; " + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
-              + f"; with the host traced, the GPU idled {wait['gap_ms']:.1f} ms in {wait['gaps']} stretches")
+              + f"; with the host traced, the GPU idled {wait['gap_ms']:.1f} ms in {wait['gaps']} stretches"
+              + _clock_words(r.get("gpu_clocks_timed", {})))
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out / FILE}")
     return 1 if any(r["status"] != "ok" for r in doc["rows"]) else 0

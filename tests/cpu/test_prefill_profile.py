@@ -21,6 +21,9 @@ def test_kernels_are_sorted_into_kinds_mpfa_first():
     assert pp.kind_of("void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>") == "peer attention"
     assert pp.kind_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "GEMM"
     assert pp.kind_of("void flashinfer::norm::FusedAddRMSNormKernel<8, bf16>") == "norm"
+    # FlashInfer's CuTe-DSL RMSNorm (SGLang 0.5.17 on the H200) carries "cutlass" in its name: still a norm
+    assert pp.kind_of("kernel_cutlass_kernel_flashinfernormkernelsfused_add_rmsnormFusedAddRMSNormKernel_object_at_"
+                      "_tensorptrbf16gmemalign128oi64409640961") == "norm"
     assert pp.kind_of("void flashinfer::activation::act_and_mul_kernel<bf16, silu>") == "activation"
     assert pp.kind_of("void at::native::vectorized_elementwise_kernel<4, CopyFunctor>") == "elementwise and copies"
     assert pp.kind_of("some_new_kernel") == "other"
@@ -90,7 +93,13 @@ def test_the_summary_sets_the_headline_against_each_peer():
     assert d["GEMM"] == 0.0 and d["mpfa pre-pass"] == 20.0 and d["peer attention"] == -310.0
     assert d["busy_ms"] == 20.0 and d["host_wait_ms"] == 20.0 and d["ttft_s"] == pytest.approx(0.04)
     assert list(s) == ["delta_ms_vs_sglang-fa3-fp8kv"]   # the failed row sets nothing
+    assert "sm_clock_mhz_median" not in d   # neither row sampled the clocks
     assert pp.compare(rows[1:]) == {}
+    rows[0]["gpu_clocks_timed"] = {"sm_clock_mhz": {"median": 1755.0, "min": 1600.0, "max": 1980.0}}
+    rows[1]["gpu_clocks_timed"] = {"sm_clock_mhz": {"median": 1830.0, "min": 1700.0, "max": 1980.0}}
+    assert pp.compare(rows)["delta_ms_vs_sglang-fa3-fp8kv"]["sm_clock_mhz_median"] == -75.0
+    rows[1]["gpu_clocks_timed"] = {"samples": 0, "error": "nvidia-smi not found"}
+    assert "sm_clock_mhz_median" not in pp.compare(rows)["delta_ms_vs_sglang-fa3-fp8kv"]
 
 
 def test_refuses_bad_arguments_and_the_published_folder(capsys):
