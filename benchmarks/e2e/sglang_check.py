@@ -177,7 +177,9 @@ def _engine_args(model: Path, backend: str, *, graphs: bool, mem_fraction: float
     if dummy:
         args["load_format"] = "dummy"
     if backend == "mpfa":
-        args["disable_prefill_cuda_graph"] = True   # mpfa captures decode graphs only (docs/sglang.md)
+        # eager prefill for every recipe, as these checks always measured it (the plugin's default is per recipe:
+        # settings.PREFILL_CUDA_GRAPH; the graph gives the eager tokens, tests/gpu/test_sglang_gpu.py)
+        args["disable_prefill_cuda_graph"] = True
     if not graphs:
         args["disable_decode_cuda_graph"] = True
         args["disable_prefill_cuda_graph"] = True
