@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+# Drivers before R535 name the reasons field clocks_throttle_reasons.active.
+LEGACY_QUERY = QUERY.replace("clocks_event_reasons", "clocks_throttle_reasons")
 INTERVAL_MS = 20
 # NVML nvmlClocksEventReason* bits (nvml.h); "idle" and "applications clocks" are the GPU's normal states.
 REASONS = {0x1: "gpu idle", 0x2: "applications clocks setting", 0x4: "SW power cap", 0x8: "HW slowdown",
@@ -89,11 +91,31 @@ class GpuSampler:
         if exe is None:
             self._error = "nvidia-smi not found"
             return self
+        query = self._query(exe)
+        if query is None:
+            return self
         self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-        self._proc = subprocess.Popen([exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
+        self._proc = subprocess.Popen([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits",
                                        "-lms", str(self.interval_ms), "-i", self.gpu],
                                       stdout=self._file, stderr=subprocess.STDOUT, text=True)
         return self
+
+    def _query(self, exe: str) -> str | None:
+        """QUERY, or LEGACY_QUERY where this driver's nvidia-smi only knows that one: one sample of each, first
+        that parses wins (records the error and returns None when neither does)."""
+        said = ""
+        for query in (QUERY, LEGACY_QUERY):
+            try:
+                out = subprocess.run([exe, f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", self.gpu],
+                                     capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                said = str(e)
+                continue
+            if parse_samples(out.stdout):
+                return query
+            said = (out.stdout + out.stderr).strip()
+        self._error = f"nvidia-smi cannot sample GPU {self.gpu}: {said[:300]!r}"
+        return None
 
     def __exit__(self, *exc) -> None:
         if self._proc is None:

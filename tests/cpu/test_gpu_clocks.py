@@ -44,9 +44,11 @@ def test_the_gpu_is_the_first_visible_one():
 
 def test_the_sampler_runs_nvidia_smi_for_the_block_and_says_when_it_cannot(tmp_path, monkeypatch):
     fake = tmp_path / "nvidia-smi"   # prints two samples, then waits to be stopped as the real one does
-    fake.write_text("#!/bin/sh\n"
+    fake.write_text("#!/bin/sh\n"   # a driver that knows only the legacy field name, as before R535
+                    "case \"$1\" in *clocks_event_reasons*) echo 'Field is not a valid field to query.'; exit 2;; esac\n"
                     "echo \"$@\" > \"$(dirname \"$0\")/argv\"\n"
                     "echo '1755, 699.10, 47, 0x0000000000000004'\n"
+                    "case \"$*\" in *-lms*) ;; *) exit 0;; esac\n"
                     "echo '1725, 700.02, 48, 0x0000000000000004'\n"
                     "exec sleep 30\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
@@ -60,7 +62,11 @@ def test_the_sampler_runs_nvidia_smi_for_the_block_and_says_when_it_cannot(tmp_p
     out = s.summary()
     assert out["samples"] == 2 and out["sm_clock_mhz"]["median"] == 1740.0 and out["reasons"] == {"SW power cap": 1.0}
     argv = (tmp_path / "argv").read_text().split()
-    assert argv[-4:] == ["-lms", "50", "-i", "2"] and argv[0] == f"--query-gpu={gc.QUERY}"
+    assert argv[-4:] == ["-lms", "50", "-i", "2"] and argv[0] == f"--query-gpu={gc.LEGACY_QUERY}"
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    with gc.GpuSampler(gpu="0") as s:
+        pass
+    assert s.summary()["error"].startswith("nvidia-smi cannot sample GPU 0: 'No devices were found'")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with gc.GpuSampler() as s:
         pass
