@@ -78,6 +78,7 @@ import torch
 import mpfa
 from mpfa.reference import batch_attention, batch_prefill_kernel_attention, gather_pages
 from mpfa.reference.attention import attention
+from mpfa.reference.prefill_kernel import kernel_mu_l1, kernel_q_mean
 from mpfa.recipes import RECIPES as RECIPE_TABLE
 from mpfa.recipes.int8 import tile_scaled_k
 from mpfa.recipes.u4h import hadamard
@@ -398,6 +399,55 @@ def test_sm_scale_and_default_out(paged_batch, bf16_rows, nan_blocks, shared_jit
         refs = _refs(q, qo, layer, indptr, indices, last, lengths, recipe=recipe, causal=True, compensation=True,
                      sm_scale=0.03)
         _check(o, lse, qo, refs, recipe, q, recipe, sm_scale=0.03)
+
+
+# (head_dim, query heads, KV heads): 8-channel units of a Q row (Hq x D / 8) that fill a group of 256 threads
+# (Llama: 512), leave the last group part-empty (320) and fill less than one (64).
+PREPASS_HEADS = [(128, 32, 8), (64, 40, 8), (128, 4, 4)]
+
+
+@pytest.mark.parametrize("head_dim,num_qo_heads,num_kv_heads", PREPASS_HEADS, ids=lambda x: str(x))
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if RECIPE_TABLE[r].quantized_q])
+def test_q_prepass_writes_the_models_mu_and_q_scales(recipe, head_dim, num_qo_heads, num_kv_heads, paged_batch,
+                                                     bf16_rows, shared_jit_cache):
+    """The compensation pre-pass (prepass_q_mean.cuh) bit for bit against the model (mpfa.reference.prefill_kernel):
+    mu_Q of every request and head (kernel_q_mean: 128-row blocks, each in row order), and in comp_mma builds each
+    head's amax |Q - mu_Q| (fp32 differences, an exact maximum) and |mu_Q|_1 (kernel_mu_l1). The sections start
+    as NaN bytes, so an element the kernels skip fails. Chunks of 1, 8, 300, 1,029 rows (several row blocks, not a
+    multiple of 128 or 8), an empty one; Q with outlier channels (a large mean)."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"prepass-{recipe}-{head_dim}-{num_qo_heads}".encode()))
+    page_size = 16
+    requests = [(0, 1), (37, 300), (5, 0), (0, 1029), (130, 8)]
+    layer, qo, indptr, indices, last, _ = _make_batch(paged_batch, recipe, head_dim, page_size, num_kv_heads,
+                                                      requests, gen)
+    q = bf16_rows(int(qo[-1]), num_qo_heads, head_dim, gen)
+    w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    w.plan(qo, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, recipe=recipe,
+           compensation=True)
+    assert w.backend == "cuda"
+    sections = w._plan.kernel.sections
+    batch = len(requests)
+    views = {"mu": (batch, num_qo_heads, head_dim)}
+    comp_mma = prefill_op.build_knobs(recipe)["comp_mma"]
+    if comp_mma:
+        views["q_head"] = (batch, num_qo_heads, 2)
+    got = {}
+    for name, shape in views.items():
+        sections[name].fill_(0xFF)   # NaN in every fp32 element
+        got[name] = sections[name][: 4 * math.prod(shape)].view(torch.float32).view(shape)
+    w.run(q, layer)
+    torch.cuda.synchronize()
+    bounds = qo.tolist()
+    for b in range(batch):
+        rows = q[bounds[b]:bounds[b + 1]]
+        mu = kernel_q_mean(rows)
+        assert torch.equal(got["mu"][b].view(torch.int32), mu.view(torch.int32)), \
+            f"request {b} ({rows.shape[0]} rows): mu_Q differs from the model at " \
+            f"{torch.nonzero(got['mu'][b].view(torch.int32) != mu.view(torch.int32))[:4].tolist()}"
+        if comp_mma:
+            amax = (rows.float() - mu[None]).abs().amax(dim=(0, 2)) if rows.shape[0] else torch.zeros_like(mu[:, 0])
+            assert torch.equal(got["q_head"][b, :, 0], amax), f"request {b}: amax |Q - mu_Q| per head differs"
+            assert torch.equal(got["q_head"][b, :, 1], kernel_mu_l1(mu)), f"request {b}: |mu_Q|_1 per head differs"
 
 
 def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
