@@ -147,28 +147,100 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
     return (page * p.num_kv_heads + hk) * Kt::kPageSize + (j % Kt::kPageSize);
   };
 
-  constexpr int kKUnits = Kt::kPackKeys * (Kt::kQKRow / 16);
-  for (int u = tid; u < kKUnits; u += Kt::kPackThreads) {
-    const int key = u / (Kt::kQKRow / 16), c16 = u % (Kt::kQKRow / 16);
-    uint4 w = make_uint4(0u, 0u, 0u, 0u);
-    if (key < valid) {
-      const int64_t row = row_of(key);
+  if constexpr (Kt::kPrepassWide) {
+    // Each thread's kKIters 16-byte chunks of K (then of V): every page-table lookup, then every chunk load, in flight
+    // together, then the stores (the loop below waits on two dependent loads per chunk).
+    constexpr int kKUnits = Kt::kPackKeys * (Kt::kQKRow / 16);
+    constexpr int kKIters = kKUnits / Kt::kPackThreads;
+    static_assert(kKUnits % Kt::kPackThreads == 0, "every thread stages the same number of K chunks");
+    {
+      int64_t rows[kKIters];
+#pragma unroll
+      for (int it = 0; it < kKIters; ++it) {
+        const int key = (tid + it * Kt::kPackThreads) / (Kt::kQKRow / 16);
+        rows[it] = key < valid ? row_of(key) : -1;
+      }
+      // the same for all the thread's units (kPackThreads is a multiple of the units per key)
+      const int c16 = tid % (Kt::kQKRow / 16);
+      uint4 w[kKIters];
       if constexpr (Kt::Layout::kSplitK) {
-        // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
+        // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already; a thread's
+        // side is the same for all its chunks, so the loads of each side are issued together before any expansion
         const int idx = mpfa::split_k_index<Kt::kHeadDim>(16 * c16);   // within its half
-        if (mpfa::split_k_low<Kt::kHeadDim>(16 * c16))
-          w = *reinterpret_cast<const uint4*>(p.k8 + row * Kt::kK8Row + idx);
-        else
-          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * Kt::kKRow + idx / 2),
-                             uint32_t(p.k_block_scale[row * Kt::kBsRow + idx / 16]));
+        if (mpfa::split_k_low<Kt::kHeadDim>(16 * c16)) {
+#pragma unroll
+          for (int it = 0; it < kKIters; ++it)
+            w[it] = rows[it] >= 0 ? *reinterpret_cast<const uint4*>(p.k8 + rows[it] * Kt::kK8Row + idx)
+                                  : make_uint4(0u, 0u, 0u, 0u);
+        } else {
+          uint2 packed[kKIters];
+          uint32_t block_scale[kKIters];
+#pragma unroll
+          for (int it = 0; it < kKIters; ++it) {
+            packed[it] = rows[it] >= 0 ? *reinterpret_cast<const uint2*>(p.k + rows[it] * Kt::kKRow + idx / 2)
+                                       : make_uint2(0u, 0u);
+            block_scale[it] = rows[it] >= 0 ? uint32_t(p.k_block_scale[rows[it] * Kt::kBsRow + idx / 16]) : 0u;
+          }
+#pragma unroll
+          for (int it = 0; it < kKIters; ++it) w[it] = k4_block_to_s8(packed[it], block_scale[it]);   // zeros stay 0
+        }
       } else {
-        w = *reinterpret_cast<const uint4*>(p.k + row * Kt::kKRow + 16 * c16);
+#pragma unroll
+        for (int it = 0; it < kKIters; ++it)
+          w[it] = rows[it] >= 0 ? *reinterpret_cast<const uint4*>(p.k + rows[it] * Kt::kKRow + 16 * c16)
+                                : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int it = 0; it < kKIters; ++it) {
+        const int key = (tid + it * Kt::kPackThreads) / (Kt::kQKRow / 16);
+        *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w[it];
       }
     }
-    *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
+  } else {
+    constexpr int kKUnits = Kt::kPackKeys * (Kt::kQKRow / 16);
+    for (int u = tid; u < kKUnits; u += Kt::kPackThreads) {
+      const int key = u / (Kt::kQKRow / 16), c16 = u % (Kt::kQKRow / 16);
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (key < valid) {
+        const int64_t row = row_of(key);
+        if constexpr (Kt::Layout::kSplitK) {
+          // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
+          const int idx = mpfa::split_k_index<Kt::kHeadDim>(16 * c16);   // within its half
+          if (mpfa::split_k_low<Kt::kHeadDim>(16 * c16))
+            w = *reinterpret_cast<const uint4*>(p.k8 + row * Kt::kK8Row + idx);
+          else
+            w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * Kt::kKRow + idx / 2),
+                               uint32_t(p.k_block_scale[row * Kt::kBsRow + idx / 16]));
+        } else {
+          w = *reinterpret_cast<const uint4*>(p.k + row * Kt::kKRow + 16 * c16);
+        }
+      }
+      *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
+    }
   }
   if constexpr (Kt::Layout::kV4) {
     stage_v_u4h<Kt>(p, hk, valid, row_of, st + kPackOffV);
+  } else if constexpr (Kt::kPrepassWide) {
+    constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
+    constexpr int kVIters = kVUnits / Kt::kPackThreads;
+    static_assert(kVUnits % Kt::kPackThreads == 0, "every thread stages the same number of V chunks");
+    const int c16 = tid % (Kt::kVRow / 16);
+    int64_t rows[kVIters];
+#pragma unroll
+    for (int it = 0; it < kVIters; ++it) {
+      const int key = (tid + it * Kt::kPackThreads) / (Kt::kVRow / 16);
+      rows[it] = key < valid ? row_of(key) : -1;
+    }
+    uint4 w[kVIters];
+#pragma unroll
+    for (int it = 0; it < kVIters; ++it)
+      w[it] = rows[it] >= 0 ? *reinterpret_cast<const uint4*>(p.v + rows[it] * Kt::kVRow + 16 * c16)
+                            : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int it = 0; it < kVIters; ++it) {
+      const int key = (tid + it * Kt::kPackThreads) / (Kt::kVRow / 16);
+      *reinterpret_cast<uint4*>(st + kPackOffV + key * Kt::kVRow + 16 * c16) = w[it];
+    }
   } else {
     constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
     for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
