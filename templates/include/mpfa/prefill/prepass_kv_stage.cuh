@@ -64,6 +64,30 @@ __device__ __forceinline__ void stage_v_u4h(const PrefillParams& p, int hk, int 
   }
 }
 
+// kPrepassWide: a thread's kIters chunks of rows of kUnitsPerKey 16-byte chunks (chunk `it` is unit tid + it *
+// kPackThreads, of key unit / kUnitsPerKey): their cache rows (-1 at or past `valid`), every page-table lookup issued
+// before any is used, and their stores into shared memory rows of `stride` bytes.
+template <class Kt, int kUnitsPerKey>
+__device__ __forceinline__ int wide_key(int it) {
+  return (int(threadIdx.x) + it * Kt::kPackThreads) / kUnitsPerKey;
+}
+
+template <class Kt, int kUnitsPerKey, int kIters, class RowOf>
+__device__ __forceinline__ void wide_rows(int valid, RowOf row_of, int64_t (&rows)[kIters]) {
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int key = wide_key<Kt, kUnitsPerKey>(it);
+    rows[it] = key < valid ? row_of(key) : -1;
+  }
+}
+
+template <class Kt, int kUnitsPerKey, int kIters>
+__device__ __forceinline__ void wide_store(const uint4 (&w)[kIters], uint8_t* st, int stride, int c16) {
+#pragma unroll
+  for (int it = 0; it < kIters; ++it)
+    *reinterpret_cast<uint4*>(st + wide_key<Kt, kUnitsPerKey>(it) * stride + 16 * c16) = w[it];
+}
+
 template <class Kt, int kStRow, class RowOf>
 __device__ __forceinline__ void stage_k(const PrefillParams& p, int valid, RowOf row_of, uint8_t* st_k) {
   const int tid = threadIdx.x;
@@ -74,11 +98,7 @@ __device__ __forceinline__ void stage_k(const PrefillParams& p, int valid, RowOf
     constexpr int kKIters = kKUnits / Kt::kPackThreads;
     static_assert(kKUnits % Kt::kPackThreads == 0, "every thread stages the same number of K chunks");
     int64_t rows[kKIters];
-#pragma unroll
-    for (int it = 0; it < kKIters; ++it) {
-      const int key = (tid + it * Kt::kPackThreads) / (Kt::kQKRow / 16);
-      rows[it] = key < valid ? row_of(key) : -1;
-    }
+    wide_rows<Kt, Kt::kQKRow / 16>(valid, row_of, rows);
     // the same for all the thread's units (kPackThreads is a multiple of the units per key)
     const int c16 = tid % (Kt::kQKRow / 16);
     uint4 w[kKIters];
@@ -109,11 +129,7 @@ __device__ __forceinline__ void stage_k(const PrefillParams& p, int valid, RowOf
         w[it] = rows[it] >= 0 ? *reinterpret_cast<const uint4*>(p.k + rows[it] * Kt::kKRow + 16 * c16)
                               : make_uint4(0u, 0u, 0u, 0u);
     }
-#pragma unroll
-    for (int it = 0; it < kKIters; ++it) {
-      const int key = (tid + it * Kt::kPackThreads) / (Kt::kQKRow / 16);
-      *reinterpret_cast<uint4*>(st_k + key * kStRow + 16 * c16) = w[it];
-    }
+    wide_store<Kt, Kt::kQKRow / 16>(w, st_k, kStRow, c16);
   } else {
     constexpr int kKUnits = Kt::kPackKeys * (Kt::kQKRow / 16);
     for (int u = tid; u < kKUnits; u += Kt::kPackThreads) {
@@ -149,21 +165,13 @@ __device__ __forceinline__ void stage_v(const PrefillParams& p, int hk, int vali
     static_assert(kVUnits % Kt::kPackThreads == 0, "every thread stages the same number of V chunks");
     const int c16 = tid % (Kt::kVRow / 16);
     int64_t rows[kVIters];
-#pragma unroll
-    for (int it = 0; it < kVIters; ++it) {
-      const int key = (tid + it * Kt::kPackThreads) / (Kt::kVRow / 16);
-      rows[it] = key < valid ? row_of(key) : -1;
-    }
+    wide_rows<Kt, Kt::kVRow / 16>(valid, row_of, rows);
     uint4 w[kVIters];
 #pragma unroll
     for (int it = 0; it < kVIters; ++it)
       w[it] = rows[it] >= 0 ? *reinterpret_cast<const uint4*>(p.v + rows[it] * Kt::kVRow + 16 * c16)
                             : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int it = 0; it < kVIters; ++it) {
-      const int key = (tid + it * Kt::kPackThreads) / (Kt::kVRow / 16);
-      *reinterpret_cast<uint4*>(st_v + key * Kt::kVRow + 16 * c16) = w[it];
-    }
+    wide_store<Kt, Kt::kVRow / 16>(w, st_v, Kt::kVRow, c16);
   } else {
     constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
     for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
