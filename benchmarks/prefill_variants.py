@@ -5,10 +5,10 @@ the main kernel, timed with the suites' timer, and compared with the default var
         --variants "stages=3" "pv_once=0" "tile_scale=0,comp_mma=0"
 
 Knobs are the template's parameters (mpfa_jit/ops/prefill.py KNOBS, rendered by templates/prefill.cu.jinja:
-``stages``, ``tile_scale``, ``comp_mma``, ``pv_once``, ``prepass_wide``); a variant lists the knobs it sets over the
-recipe's served build (``""``: the served build itself; the wrapper's private ``_plan_study`` plans it). The knobs no
-served build used (``pingpong``, ``consumers=2``, ``persistent``, ``poly_every``, ``fac_vec=0``, ``stages=4``) are at
-649ecec (docs/design/prefill.md). The served build (SERVED_KNOBS) is always the first variant and the
+``stages``, ``tile_scale``, ``comp_mma``, ``pv_once``); a variant lists the knobs it sets over the recipe's served
+build (``""``: the served build itself; the wrapper's private ``_plan_study`` plans it). The knobs no served build used
+(``pingpong``, ``consumers=2``, ``persistent``, ``poly_every``, ``fac_vec=0``, ``stages=4``) are at 649ecec
+(docs/design/prefill.md). The served build (SERVED_KNOBS) is always the first variant and the
 reference for the output check (``max_abs_diff`` and ``rel_l2`` against it; a knob that changes numerics shows
 there, one that only reschedules shows 0). Shapes and inputs are the prefill suite's (benchmarks/suites/prefill.py:
 its cache, page order and plan, made again for each variant from the same seed; compensation on for the quantized

@@ -34,18 +34,16 @@ MU_ROWS = 128   # query rows per block of the mu_Q partial sums
 # benchmarks/NOTES.md), reached through mpfa.prefill's private entry points only. The paths no served build took
 # (two ping-pong consumer warpgroups, persistent CTAs, exp2 on the FMA pipe, fa / fb in key order, 4 stages) are
 # gone: benchmarks/NOTES.md names the commit that had them.
-KNOBS = {"stages": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": (0, 1), "prepass_wide": (0, 1)}
+KNOBS = {"stages": (2, 3), "tile_scale": (0, 1), "comp_mma": (0, 1), "pv_once": (0, 1)}
 # The served build of each recipe (benchmarks/NOTES.md, prefill v3). All run three consumer warpgroups of 64 rows,
 # each tile's steps in order (QK -> softmax -> PV -> fold). qk4pv8 adds one K scale per 128-key tile (the pre-pass
 # requantizes each K tile image to its largest token scale) so that the softmax is FlashAttention-3's, the
 # compensation term as one more INT8 k-step of the QK MMA (one Q scale per request and head), both PV column
 # parts before one wait, and 2 stages. qk8pv8 keeps per-key K scales and 64-row Q scales: the tile scale cost
 # it 29% in KL (its INT8 K loses more to requantization than qk4pv8's 4-bit K). bf16: 2 stages (3 do not fit).
-# prepass_wide=1 (the pre-passes with more loads in flight, the same results) is a candidate that has not run on a
-# GPU yet: 0 everywhere until tests/gpu/test_prefill_gpu.py and an A/B have (benchmarks/NOTES.md, 2026-12-03).
-SERVED_KNOBS = {"bf16": {"stages": 2, "tile_scale": 0, "comp_mma": 0, "pv_once": 0, "prepass_wide": 0},
-                "qk8pv8": {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0, "prepass_wide": 0},
-                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1, "prepass_wide": 0}}
+SERVED_KNOBS = {"bf16": {"stages": 2, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
+                "qk8pv8": {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0},
+                "qk4pv8": {"stages": 2, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}}
 # qk4pv4 is qk4pv8's build: the same K, and its pre-pass writes the same FP8 V image from the 4-bit V.
 SERVED_KNOBS["qk4pv4"] = dict(SERVED_KNOBS["qk4pv8"])
 

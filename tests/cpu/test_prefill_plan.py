@@ -49,7 +49,7 @@ def test_render_context_carries_the_tile_sizes_and_cache_layout():
     assert prefill_op.image_bytes("bf16", 128) == {"k": 128 * 128 * 2, "v": 128 * 128 * 2, "fa": 0, "cd": 0}
     assert prefill_op.image_bytes("qk4pv8", 128)["cd"] == 128 * 32   # comp_mma's digit image
     # every knob of the served build joins the key; the context does not
-    assert s.key == "prefill_comp_mma-1_head_dim-64_page_size-16_prepass_wide-0_pv_once-1_recipe-qk4pv8_stages-2_tile_scale-1_sm_90a"
+    assert s.key == "prefill_comp_mma-1_head_dim-64_page_size-16_pv_once-1_recipe-qk4pv8_stages-2_tile_scale-1_sm_90a"
 
 
 def test_params_mirror_is_naturally_aligned():
@@ -67,9 +67,9 @@ def test_params_mirror_is_naturally_aligned():
 
 def test_specs_and_unsupported_shapes():
     s = prefill_op.spec(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH, knobs=PER_KEY)
-    assert s.key == "prefill_comp_mma-0_head_dim-128_page_size-16_prepass_wide-0_pv_once-1_recipe-qk4pv8_stages-2_tile_scale-0_sm_90a"
+    assert s.key == "prefill_comp_mma-0_head_dim-128_page_size-16_pv_once-1_recipe-qk4pv8_stages-2_tile_scale-0_sm_90a"
     assert prefill_op.spec(recipe="bf16", head_dim=128, page_size=16, arch=ARCH).key == \
-        "prefill_comp_mma-0_head_dim-128_page_size-16_prepass_wide-0_pv_once-0_recipe-bf16_stages-2_tile_scale-0_sm_90a"
+        "prefill_comp_mma-0_head_dim-128_page_size-16_pv_once-0_recipe-bf16_stages-2_tile_scale-0_sm_90a"
     for bad in (dict(head_dim=256), dict(page_size=8), dict(recipe="fp4")):
         kw = dict(recipe="qk4pv8", head_dim=128, page_size=16, arch=ARCH) | bad
         with pytest.raises(UnknownKernelError):

@@ -406,17 +406,15 @@ def test_sm_scale_and_default_out(paged_batch, bf16_rows, nan_blocks, shared_jit
 PREPASS_HEADS = [(128, 32, 8), (64, 40, 8), (128, 4, 4)]
 
 
-@pytest.mark.parametrize("knobs", [None, {"prepass_wide": 1}], ids=["served", "prepass_wide"])
 @pytest.mark.parametrize("head_dim,num_qo_heads,num_kv_heads", PREPASS_HEADS, ids=lambda x: str(x))
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if RECIPE_TABLE[r].quantized_q])
-def test_q_prepass_writes_the_models_mu_and_q_scales(recipe, head_dim, num_qo_heads, num_kv_heads, knobs, paged_batch,
+def test_q_prepass_writes_the_models_mu_and_q_scales(recipe, head_dim, num_qo_heads, num_kv_heads, paged_batch,
                                                      bf16_rows, shared_jit_cache):
     """The compensation pre-pass (prepass_q_mean.cuh) bit for bit against the model (mpfa.reference.prefill_kernel):
     mu_Q of every request and head (kernel_q_mean: 128-row blocks, each in row order), and in comp_mma builds each
     head's amax |Q - mu_Q| (fp32 differences, an exact maximum) and |mu_Q|_1 (kernel_mu_l1). The sections start
     as NaN bytes, so an element the kernels skip fails. Chunks of 1, 8, 300, 1,029 rows (several row blocks, not a
-    multiple of 128 or 8), an empty one; Q with outlier channels (a large mean). The served build and the study knob
-    prepass_wide (a grid over unit groups, 8 rows' loads in flight), whose results must be the same."""
+    multiple of 128 or 8), an empty one; Q with outlier channels (a large mean)."""
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"prepass-{recipe}-{head_dim}-{num_qo_heads}".encode()))
     page_size = 16
     requests = [(0, 1), (37, 300), (5, 0), (0, 1029), (130, 8)]
@@ -424,13 +422,13 @@ def test_q_prepass_writes_the_models_mu_and_q_scales(recipe, head_dim, num_qo_he
                                                       requests, gen)
     q = bf16_rows(int(qo[-1]), num_qo_heads, head_dim, gen)
     w = mpfa.BatchPrefillWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
-    w._plan_study(qo, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, recipe=recipe,
-                  compensation=True, knobs=knobs)
+    w.plan(qo, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, recipe=recipe,
+           compensation=True)
     assert w.backend == "cuda"
     sections = w._plan.kernel.sections
     batch = len(requests)
     views = {"mu": (batch, num_qo_heads, head_dim)}
-    comp_mma = prefill_op.build_knobs(recipe, knobs)["comp_mma"]
+    comp_mma = prefill_op.build_knobs(recipe)["comp_mma"]
     if comp_mma:
         views["q_head"] = (batch, num_qo_heads, 2)
     got = {}
@@ -475,12 +473,8 @@ def test_unbuilt_shapes_and_small_workspace_raise(shared_jit_cache):
 PER_KEY = {"stages": 3, "tile_scale": 0, "comp_mma": 0, "pv_once": 0}
 _BUILDS = {"qk8pv8": [PER_KEY, {**PER_KEY, "tile_scale": 1}, {**PER_KEY, "tile_scale": 1, "comp_mma": 1},
                       {**PER_KEY, "tile_scale": 1, "comp_mma": 1, "pv_once": 1}]}
-_BUILDS["qk4pv8"] = list(_BUILDS["qk8pv8"])
-# the pre-passes with more loads in flight (the same results), over each recipe's served build
-for _r in RECIPES:
-    _BUILDS.setdefault(_r, []).append({"prepass_wide": 1})
-STUDY_CASES = [(r, k) for r, ks in _BUILDS.items() for k in ks
-               if prefill_op.build_knobs(r, k) != prefill_op.SERVED_KNOBS[r]]
+_BUILDS["qk4pv8"] = _BUILDS["qk8pv8"]
+STUDY_CASES = [(r, k) for r, ks in _BUILDS.items() for k in ks if k != prefill_op.SERVED_KNOBS[r]]
 
 
 @pytest.mark.parametrize("recipe,knobs", STUDY_CASES,
@@ -489,11 +483,10 @@ STUDY_CASES = [(r, k) for r, ks in _BUILDS.items() for k in ks
 def test_study_builds_match_their_references(recipe, head_dim, page_size, knobs, paged_batch, bf16_rows, nan_blocks,
                                              shared_jit_cache):
     """The prefill's other builds (the private _plan_study(knobs=); benchmarks/prefill_variants.py) against the same
-    references as the served one, each with its own numerics: stages and pv_once change only the schedule; tile_scale
-    scores each K tile under one scale and scales P by a power of two; comp_mma adds each key's compensation term by
-    one more MMA k-step under one Q scale per head; prepass_wide changes only the pre-passes' loads. With tile_scale a
-    second Q whose mean is ~10^4 times its spread (the compensation term carries nearly all of each score; comp_mma:
-    the Q scale's floor)."""
+    references as the served one, each with its own numerics: stages and pv_once change only the schedule; tile_scale scores
+    each K tile under one scale and scales P by a power of two; comp_mma adds each key's compensation term by one
+    more MMA k-step under one Q scale per head. With tile_scale a second Q whose mean is ~10^4 times its spread
+    (the compensation term carries nearly all of each score; comp_mma: the Q scale's floor)."""
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"study-{recipe}-{head_dim}-{page_size}-{knobs}".encode()))
     hkv, group = 2, 4
     requests = _requests(page_size)

@@ -2,9 +2,9 @@
 // one build, derived from its config Cfg (templates/prefill.cu.jinja renders it as PrefillConfig; the values come
 // from mpfa_jit/ops/prefill.py): Layout (the cache row, an mpfa::CacheLayout: its recipe, head_dim and field
 // widths), kPageSize, the tile sizes kBM, kQScaleRows, kBN, kMuRows, kLog2P, kCompScaleDivisor and the knobs
-// kStages, kTileScale, kCompMma, kPvOnce, kPrepassWide. Every kernel of this folder is a template on Cfg and every
-// device function one on Kt = PrefillTraits<Cfg>, so a header's inputs are its template arguments (as
-// FlashAttention-3's Ktraits): each header compiles alone, and nothing is read from the including file.
+// kStages, kTileScale, kCompMma, kPvOnce. Every kernel of this folder is a template on Cfg and every device
+// function one on Kt = PrefillTraits<Cfg>, so a header's inputs are its template arguments (as FlashAttention-3's
+// Ktraits): each header compiles alone, and nothing is read from the including file.
 #pragma once
 #include <cstdint>
 #include <math_constants.h>
@@ -47,7 +47,6 @@ struct PrefillTraits {
   static constexpr bool kTileScale = Cfg::kTileScale;
   static constexpr bool kCompMma = Cfg::kCompMma;
   static constexpr bool kPvOnce = Cfg::kPvOnce;
-  static constexpr bool kPrepassWide = Cfg::kPrepassWide;
   static constexpr float kCompScaleDivisor = Cfg::kCompScaleDivisor;
 
   // Quantized recipes run the QK MMA on INT8 Q and K (IGMMA) and the PV MMA on e4m3 P and V (QGMMA), both

@@ -3,7 +3,7 @@
 //     memory; qk4pv8's row becomes one INT8 row: the low-frequency channels' bytes as they are, each INT4
 //     nibble q times its block's integer scale b (an INT8 value by construction, recipes/int8.py i4rs_to_int8);
 //   V^T: D x kBN, keys contiguous and permuted for the FP8 P fragment (kv_key); qk4pv4's 4-bit V becomes the
-//     E4M3 V the other quantized recipes store (prepass_kv_stage.cuh stage_v_u4h), so the main loop is theirs;
+//     E4M3 V the other quantized recipes store (stage_v_u4h), so the main loop is theirs;
 //   fa_j = k_scale_j * sm_scale * log2 e (quantized recipes) and, with compensation,
 //   fb[hq]_j = (mu_Q[hq] . Kint_j) * k_scale_j * sm_scale * log2 e (Kint_j the INT8 row), at fac_pos(j); zeros
 //   past the request's length. kTileScale builds: the tile's largest token scale s_T in place of every
@@ -19,12 +19,12 @@
 // reads of the compensation dot product are conflict-free) and raw V rows, then written out in image order
 // (consecutive threads write consecutive 16-byte chunks).
 #pragma once
+#include <cuda_fp16.h>
 #include <cstdint>
 #include "mpfa/quant.cuh"
 #include "mpfa/wgmma.cuh"
 #include "mpfa/prefill/kernel_traits.cuh"
 #include "mpfa/prefill/params.cuh"
-#include "mpfa/prefill/prepass_kv_stage.cuh"
 #include "mpfa/prefill/tile_scheduler.cuh"
 
 namespace {
@@ -40,6 +40,19 @@ __device__ __forceinline__ int kv_key(int q) {
   } else {
     return q;
   }
+}
+
+// 16 channels of INT4 K (8 bytes of 4-bit two's-complement nibbles, element 2i in the low nibble of byte i;
+// one unsigned integer block scale b in 1..18) -> 16 int8 bytes b * q, exactly (|b * q| <= 126).
+__device__ __forceinline__ uint4 k4_block_to_s8(uint2 packed, uint32_t b) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const uint32_t word = k < 8 ? packed.x : packed.y;
+    const int q = static_cast<int>(word << (28 - 4 * (k % 8))) >> 28;   // sign-extended nibble
+    w[k / 4] |= (static_cast<uint32_t>(q * static_cast<int>(b)) & 0xFFu) << (8 * (k % 4));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // kCompMma: key `key`'s row of a digit image (32-byte swizzle): the term c (|c| <= kCompDigitLimit, in units
@@ -65,6 +78,45 @@ __device__ __forceinline__ void write_digits(uint8_t* img, int key, int c) {
   for (int c16 = 0; c16 < Kt::kCdRow / 16; ++c16)
     *reinterpret_cast<uint4*>(img + mpfa::wg::swizzle<Kt::kCdRow>(key * Kt::kCdRow + 16 * c16)) =
         make_uint4(w[4 * c16], w[4 * c16 + 1], w[4 * c16 + 2], w[4 * c16 + 3]);
+}
+
+// qk4pv4: the block's staged V rows as E4M3 (stride kHeadDim bytes), from the 4-bit codes, as
+// python/mpfa/recipes/u4h.py prefill_image: x = q * scale + zero (one fmaf, in the rotated space), times the
+// correctly rounded 1 / v_scale of its channel (v_scale of the rotated V), rounded to E4M3 with saturation.
+// Thread tid converts 16 channels (c16 = tid % (D / 16): one constant set of 1 / v_scale) of every
+// kPackThreads / (D / 16)-th key; keys at or past `valid` stage zeros.
+template <class Kt, class RowOf>
+__device__ __forceinline__ void stage_v_u4h(const PrefillParams& p, int hk, int valid, RowOf row_of, uint8_t* st_v) {
+  constexpr int kChunks = Kt::kHeadDim / 16;
+  static_assert(Kt::kPackThreads % kChunks == 0, "a thread's chunk is the same for all its keys");
+  static_assert(Kt::Layout::kV4Group % 16 == 0, "a chunk's channels share one scale and zero point");
+  const int c16 = int(threadIdx.x) % kChunks;
+  float inv_vs[16];
+#pragma unroll
+  for (int e = 0; e < 16; e += 4) {
+    const float4 vs = *reinterpret_cast<const float4*>(p.v_scale + hk * Kt::kHeadDim + 16 * c16 + e);
+    inv_vs[e] = __frcp_rn(vs.x); inv_vs[e + 1] = __frcp_rn(vs.y);
+    inv_vs[e + 2] = __frcp_rn(vs.z); inv_vs[e + 3] = __frcp_rn(vs.w);
+  }
+  for (int key = int(threadIdx.x) / kChunks; key < Kt::kPackKeys; key += Kt::kPackThreads / kChunks) {
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if (key < valid) {
+      const int64_t row = row_of(key);
+      const uint2 codes = *reinterpret_cast<const uint2*>(p.v + row * Kt::kVRow + 8 * c16);   // channel 2i: low nibble
+      const __half2 param = *reinterpret_cast<const __half2*>(p.v_param + row * Kt::kVpRow +
+                                                              4 * (16 * c16 / Kt::Layout::kV4Group));
+      const float scale = __low2float(param), zero = __high2float(param);
+#pragma unroll
+      for (int e = 0; e < 16; e += 2) {
+        const uint32_t word = e < 8 ? codes.x : codes.y;
+        const float q0 = float((word >> (4 * (e % 8))) & 0xFu), q1 = float((word >> (4 * (e % 8) + 4)) & 0xFu);
+        const uint32_t pair = mpfa::to_e4m3x2(__fmul_rn(__fmaf_rn(q0, scale, zero), inv_vs[e]),
+                                              __fmul_rn(__fmaf_rn(q1, scale, zero), inv_vs[e + 1]));
+        w[e / 4] |= pair << (16 * ((e / 2) % 2));
+      }
+    }
+    *reinterpret_cast<uint4*>(st_v + key * Kt::kHeadDim + 16 * c16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 template <class Cfg>
@@ -95,8 +147,37 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads)
     return (page * p.num_kv_heads + hk) * Kt::kPageSize + (j % Kt::kPageSize);
   };
 
-  stage_k<Kt, kStRow>(p, valid, row_of, st + kPackOffK);
-  stage_v<Kt>(p, hk, valid, row_of, st + kPackOffV);
+  constexpr int kKUnits = Kt::kPackKeys * (Kt::kQKRow / 16);
+  for (int u = tid; u < kKUnits; u += Kt::kPackThreads) {
+    const int key = u / (Kt::kQKRow / 16), c16 = u % (Kt::kQKRow / 16);
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (key < valid) {
+      const int64_t row = row_of(key);
+      if constexpr (Kt::Layout::kSplitK) {
+        // 16 channels from one side: the low-frequency ones (c mod D/2 >= D/4) are INT8 bytes already
+        const int idx = mpfa::split_k_index<Kt::kHeadDim>(16 * c16);   // within its half
+        if (mpfa::split_k_low<Kt::kHeadDim>(16 * c16))
+          w = *reinterpret_cast<const uint4*>(p.k8 + row * Kt::kK8Row + idx);
+        else
+          w = k4_block_to_s8(*reinterpret_cast<const uint2*>(p.k + row * Kt::kKRow + idx / 2),
+                             uint32_t(p.k_block_scale[row * Kt::kBsRow + idx / 16]));
+      } else {
+        w = *reinterpret_cast<const uint4*>(p.k + row * Kt::kKRow + 16 * c16);
+      }
+    }
+    *reinterpret_cast<uint4*>(st + kPackOffK + key * kStRow + 16 * c16) = w;
+  }
+  if constexpr (Kt::Layout::kV4) {
+    stage_v_u4h<Kt>(p, hk, valid, row_of, st + kPackOffV);
+  } else {
+    constexpr int kVUnits = Kt::kPackKeys * (Kt::kVRow / 16);
+    for (int u = tid; u < kVUnits; u += Kt::kPackThreads) {
+      const int key = u / (Kt::kVRow / 16), c16 = u % (Kt::kVRow / 16);
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (key < valid) w = *reinterpret_cast<const uint4*>(p.v + row_of(key) * Kt::kVRow + 16 * c16);
+      *reinterpret_cast<uint4*>(st + kPackOffV + key * Kt::kVRow + 16 * c16) = w;
+    }
+  }
   if (Kt::kQuant && tid < Kt::kPackKeys) ks[tid] = tid < valid ? p.k_scale[row_of(tid)] : 0.f;
   __syncthreads();
   // kTileScale: the staged INT8 rows requantized to the tile's largest token scale s_T, byte for byte as

@@ -6,11 +6,6 @@
 //     depend on the grid).
 // comp_mma builds (p.q_head; qk4pv8's served one) also need one INT8 Q scale per (request, head): q_mean_kernel writes
 // |mu_Q|_1 and zeroes the amax, then q_amax_kernel, grid (row blocks, batch), takes the amax of Q - mu_Q.
-// kPrepassWide builds (a study knob, mpfa_jit/ops/prefill.py KNOBS) add a grid dimension of unit groups (one 8-channel
-// unit per thread: q_unit_groups) and keep kWideRows rows' loads in flight per thread (served: 4 for the sums, 1 for
-// the amax): both passes are load-latency-bound (an 8K-row chunk: 64 blocks, ~0.9 TB/s on the H200, NOTES.md). A
-// thread still adds its rows in row order, so the results are the same bit for bit (the served sums also add 0.f
-// for rows past the block, which changes no sum).
 #pragma once
 #include <cuda_bf16.h>
 #include "mpfa/common.cuh"
@@ -18,30 +13,6 @@
 #include "mpfa/prefill/params.cuh"
 
 namespace {
-
-constexpr int kWideRows = 8;   // kPrepassWide: rows whose loads one thread issues before using them
-
-// The Q pre-passes' grid.z: kPrepassWide builds, groups of kPackThreads 8-channel units of a Q row ([Hq, D] has
-// Hq * D / 8); served builds, 1 (each block loops over all units).
-template <class Kt>
-__host__ __device__ constexpr int q_unit_groups(int num_qo_heads) {
-  return Kt::kPrepassWide ? (num_qo_heads * (Kt::kHeadDim / 8) + Kt::kPackThreads - 1) / Kt::kPackThreads : 1;
-}
-
-// kPrepassWide: rows r0 <= r < r1 of one unit (8 channels of a head) at src, kWideRows rows' loads issued before
-// visit(raw) runs on each, in row order.
-template <class Visit>
-__device__ __forceinline__ void for_q_rows_wide(const __nv_bfloat16* src, int64_t stride, int r0, int r1, Visit visit) {
-  for (int r = r0; r < r1; r += kWideRows) {
-    uint4 raw[kWideRows];
-#pragma unroll
-    for (int k = 0; k < kWideRows; ++k)
-      if (r + k < r1) raw[k] = *reinterpret_cast<const uint4*>(src + int64_t(r + k) * stride);
-#pragma unroll
-    for (int k = 0; k < kWideRows; ++k)
-      if (r + k < r1) visit(raw[k]);
-  }
-}
 
 template <class Cfg>
 __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads) q_sum_kernel(const PrefillParams p) {
@@ -51,30 +22,24 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads) q_sum_kernel
   const int r0 = x * Kt::kMuRows, r1 = min(n, r0 + Kt::kMuRows);
   constexpr int kUnitsPerHead = Kt::kHeadDim / 8;
   const int units = p.num_qo_heads * kUnitsPerHead;
-  const int u0 = Kt::kPrepassWide ? int(blockIdx.z) * Kt::kPackThreads : 0;
-  for (int u = u0 + threadIdx.x; u < units; u += Kt::kPrepassWide ? units : Kt::kPackThreads) {
+  for (int u = threadIdx.x; u < units; u += Kt::kPackThreads) {
     const int h = u / kUnitsPerHead, ch = 8 * (u % kUnitsPerHead);
     const __nv_bfloat16* src = p.q + int64_t(q0) * p.q_stride_t + int64_t(h) * p.q_stride_h + ch;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    auto add_row = [&](const uint4& raw) {
+    for (int r = r0; r < r1; r += 4) {   // 4 rows' loads in flight, then their sums in row order
+      uint4 raw[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t w = i == 0 ? raw.x : (i == 1 ? raw.y : (i == 2 ? raw.z : raw.w));
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-        acc[2 * i] += f.x; acc[2 * i + 1] += f.y;
-      }
-    };
-    if constexpr (Kt::kPrepassWide) {
-      for_q_rows_wide(src, p.q_stride_t, r0, r1, add_row);
-    } else {
-      for (int r = r0; r < r1; r += 4) {   // 4 rows' loads in flight, then their sums in row order
-        uint4 raw[4];
+      for (int k = 0; k < 4; ++k)
+        raw[k] = r + k < r1 ? *reinterpret_cast<const uint4*>(src + int64_t(r + k) * p.q_stride_t)
+                            : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          raw[k] = r + k < r1 ? *reinterpret_cast<const uint4*>(src + int64_t(r + k) * p.q_stride_t)
-                              : make_uint4(0u, 0u, 0u, 0u);
+      for (int k = 0; k < 4; ++k) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) add_row(raw[k]);
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t w = i == 0 ? raw[k].x : (i == 1 ? raw[k].y : (i == 2 ? raw[k].z : raw[k].w));
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+          acc[2 * i] += f.x; acc[2 * i + 1] += f.y;
+        }
       }
     }
     float* dst = p.mu_part + ((int64_t(x) * batch + b) * p.num_qo_heads + h) * Kt::kHeadDim + ch;
@@ -122,9 +87,7 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads) q_amax_kerne
   if (r0 >= r1) return;
   constexpr int kUnitsPerHead = Kt::kHeadDim / 8;   // consecutive lanes of one warp: the shuffles below reduce them
   const int units = p.num_qo_heads * kUnitsPerHead;
-  // uniform trip count: every lane reaches the shuffles (kPrepassWide: one group, blockIdx.z's)
-  const int g0 = Kt::kPrepassWide ? int(blockIdx.z) * Kt::kPackThreads : 0;
-  for (int u0 = g0; u0 < units; u0 += Kt::kPrepassWide ? units : Kt::kPackThreads) {
+  for (int u0 = 0; u0 < units; u0 += Kt::kPackThreads) {   // uniform trip count: every lane reaches the shuffles
     const int u = u0 + threadIdx.x;
     const bool valid = u < units;
     const int h = valid ? u / kUnitsPerHead : 0, ch = 8 * (u % kUnitsPerHead);
@@ -134,24 +97,13 @@ __global__ void __launch_bounds__(PrefillTraits<Cfg>::kPackThreads) q_amax_kerne
       const float4 m0 = *reinterpret_cast<const float4*>(mu), m1 = *reinterpret_cast<const float4*>(mu + 4);
       const float m[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
       const __nv_bfloat16* src = p.q + int64_t(q0) * p.q_stride_t + int64_t(h) * p.q_stride_h + ch;
-      if constexpr (Kt::kPrepassWide) {
-        for_q_rows_wide(src, p.q_stride_t, r0, r1, [&](const uint4& raw) {
-          const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      for (int r = r0; r < r1; ++r) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src + int64_t(r) * p.q_stride_t);
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float2 f = __bfloat1622float2(h2[k]);
-            amax = mpfa::max_nan(amax, mpfa::max_nan(fabsf(f.x - m[2 * k]), fabsf(f.y - m[2 * k + 1])));
-          }
-        });
-      } else {
-        for (int r = r0; r < r1; ++r) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(src + int64_t(r) * p.q_stride_t);
-          const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float2 f = __bfloat1622float2(h2[k]);
-            amax = mpfa::max_nan(amax, mpfa::max_nan(fabsf(f.x - m[2 * k]), fabsf(f.y - m[2 * k + 1])));
-          }
+        for (int k = 0; k < 4; ++k) {
+          const float2 f = __bfloat1622float2(h2[k]);
+          amax = mpfa::max_nan(amax, mpfa::max_nan(fabsf(f.x - m[2 * k]), fabsf(f.y - m[2 * k + 1])));
         }
       }
     }
