@@ -20,9 +20,9 @@ medians on and off and their ratio on/off (below 1: the graph is faster); whethe
 identical (and where each prompt first differs); and ``keep_on`` (identical tokens and a geomean TTFT ratio
 of at most 1.0: the condition for mpfa.sglang.settings.PREFILL_CUDA_GRAPH[recipe] = True; the published runs,
 ``benchmarks/results/studies/prefill_graph_ab*_h200.json``, one recipe each, are what a CPU test holds that table
-to). Dummy weights make near-ties common, so different tokens there are a reason to look, not proof of an error: ``--tokens-model`` (a folder with
-real weights, e.g. server_configs/models/smollm2-135m after ``python -m benchmarks.e2e.smollm2_hf``) repeats
-the token check on it with two more servers.
+to). Dummy weights make near-ties common, so different tokens there are a reason to look, not proof of an error:
+``--tokens-model`` (a folder with real weights, e.g. server_configs/models/smollm2-135m after
+``python -m benchmarks.e2e.smollm2_hf``) repeats the token check on it with two more servers.
 
 ``<out>`` defaults to ``benchmarks/results/scratch/prefill_graph_ab`` (git-ignored); never the published
 folder. Server logs go to ``<out>/logs``. Time: one server start with dummy 8B weights ~60-90 s (the "on"

@@ -32,6 +32,7 @@ folder: the lead publishes). Time: per configuration a server start (~60-90 s) a
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gzip
 import json
 import re
@@ -206,7 +207,7 @@ def profile_config(config: str, args, logs: Path, traces: Path) -> dict:
             info = server_info(srv.base)
             row.update(startup_s=round(srv.startup_s, 1), chunked_prefill_size=info.get("chunked_prefill_size"))
             for name, prompt in (("warmup", warm), ("timed", timed)):
-                with GpuSampler() as clocks:
+                with GpuSampler() if name == "timed" else contextlib.nullcontext() as clocks:
                     res = stream_generate(args.port, prompt, one_token)
                 if res.error:
                     raise RuntimeError(f"{name} request: {res.error}")

@@ -335,11 +335,13 @@ def resolve_prefill_cuda_graph(env: Mapping[str, str] | None = None,
 def _resolve(key: str, env: Mapping[str, str], config: ServerConfig | None, default):
     """(value, source) of one setting of _ENV_OF: its environment variable, else the YAML's mpfa: section
     (page_size: sglang.page-size), else ``default``."""
-    if env.get(_ENV_OF[key], "") != "":
-        return _PARSERS[key](_ENV_OF[key], env[_ENV_OF[key]]), f"env {_ENV_OF[key]}"
-    from_yaml = config.page_size if key == "page_size" and config else (config.mpfa.get(key) if config else None)
-    if from_yaml is not None:
-        return from_yaml, f"yaml {config.path}"
+    name = _ENV_OF[key]
+    if env.get(name, "") != "":
+        return _PARSERS[key](name, env[name]), f"env {name}"
+    if config is not None:
+        from_yaml = config.page_size if key == "page_size" else config.mpfa.get(key)
+        if from_yaml is not None:
+            return from_yaml, f"yaml {config.path}"
     return default, "default"
 
 
