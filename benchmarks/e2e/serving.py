@@ -26,8 +26,9 @@ whose client fails while the server still runs is run once more. Rows are writte
 bench_serving's JSONL output is kept beside the server logs (``logs/serving``), so a run cut short keeps what it
 finished.
 
-Rows (one per configuration and rate) carry what bench_serving reports: output throughput, TTFT, ITL and
-end-to-end latency (mean, p50, p90, p99), completed requests. They go to ``<out>/serving_h200.json``, replacing
+Rows (one per configuration and rate) carry what bench_serving reports: output throughput, TTFT, ITL, TPOT and
+end-to-end latency (mean, p50, p90, p99), completed requests; and, from its per-request gaps (``--output-details``),
+how many inter-token gaps were stalls of a second or more, p99.9 and the longest gap. They go to ``<out>/serving_h200.json``, replacing
 earlier rows of the same configuration and rate (but an mpfa qk4pv8 row a kept peer row was measured with, in one
 run: ``benchmarks.e2e.runs``), so runs of a few configurations at a time add up over sessions;
 the summary sets mpfa qk4pv8 against the fa3 peers per rate (``ttft_p50_ratio_vs_sglang_fa3_bf16``, ...), and
@@ -65,9 +66,13 @@ PORT = 30641
 FIELDS = ("duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
           "input_throughput", "output_throughput", "total_throughput", "concurrency", "max_concurrent_requests",
           *(f"{s}_{m}_ms" for m in ("ttft", "itl", "e2e_latency", "tpot") for s in ("mean", "median", "p90", "p99")))
-# the summary's ratios: (row field, summary key stem)
-RATIOS = (("median_ttft_ms", "ttft_p50"), ("p99_itl_ms", "itl_p99"), ("median_e2e_latency_ms", "e2e_latency_p50"),
+# the summary's ratios: (row field, summary key stem). ITL p99 alone misleads near saturation: stalls of a second or
+# more (decode waiting behind prefill batches) hit about 1% of a run's gaps, so p99 lands on either side of them;
+# the mean ITL and p99 TPOT carry the stalls in every run, and the rows count them (``itl_stats``).
+RATIOS = (("median_ttft_ms", "ttft_p50"), ("p99_itl_ms", "itl_p99"), ("mean_itl_ms", "itl_mean"),
+          ("p99_tpot_ms", "tpot_p99"), ("median_e2e_latency_ms", "e2e_latency_p50"),
           ("output_throughput", "output_throughput"))
+STALL_S = 1.0   # an inter-token gap this long is a stall a reader of the stream sees
 
 
 def tokenizer_dir(tmp: Path) -> Path:
@@ -95,7 +100,9 @@ def server_command(config: str, context: int, port: int, tmp: Path, tp: int = 1)
         yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp, tp)
         return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port)], {}
     argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=tp, port=port)
-    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
+    # the peers' log at SGLang's default level, as mpfa's launcher leaves it: its batch lines show queueing and retraction
+    i = argv.index("--log-level")
+    argv = [a for a in argv[:i] + argv[i + 2:] if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
     return argv, env
 
 
@@ -105,16 +112,29 @@ def client_command(port: int, rate: float, prompts: int, seed: int, out_file: Pa
             "--model", str(throughput.MODELS[MODEL]), "--tokenizer", str(tokenizer), "--dataset-name", "random-ids",
             "--tokenize-prompt", "--random-input-len", str(INPUT_MAX), "--random-output-len", str(OUTPUT_MAX),
             "--random-range-ratio", repr(RANGE_RATIO), "--num-prompts", str(prompts), "--request-rate", repr(rate),
-            "--seed", str(seed), "--flush-cache", "--warmup-requests", "2", "--disable-tqdm", "--output-file", str(out_file)]
+            "--seed", str(seed), "--flush-cache", "--warmup-requests", "2", "--disable-tqdm", "--output-details",
+            "--output-file", str(out_file)]
+
+
+def itl_stats(itls: list) -> dict:
+    """The stalls in a run's inter-token gaps (``itls``: bench_serving's per-request lists, in seconds): how many gaps,
+    how many of at least ``STALL_S``, the requests that saw one, p99.9 and the longest gap."""
+    gaps = sorted(g for req in itls for g in (req or []))
+    if not gaps:
+        return {}
+    stalls = sum(g >= STALL_S for g in gaps)
+    return {"itl_gaps": len(gaps), "itl_stalls": stalls, "itl_stall_fraction": stalls / len(gaps),
+            "requests_with_a_stall": sum(any(g >= STALL_S for g in (req or [])) for req in itls),
+            "p999_itl_ms": 1000 * gaps[min(len(gaps) - 1, int(0.999 * len(gaps)))], "max_itl_ms": 1000 * gaps[-1]}
 
 
 def client_row(out_file: Path) -> dict:
-    """The fields of bench_serving's last JSONL line."""
+    """The fields of bench_serving's last JSONL line, with the stall counts of its per-request gaps."""
     lines = [ln for ln in out_file.read_text().splitlines() if ln.strip()] if out_file.exists() else []
     if not lines:
         raise RuntimeError(f"bench_serving wrote no result to {out_file}")
     res = json.loads(lines[-1])
-    return {k: res.get(k) for k in FIELDS}
+    return {**{k: res.get(k) for k in FIELDS}, **itl_stats(res.get("itls") or [])}
 
 
 def _load(r: dict) -> tuple:

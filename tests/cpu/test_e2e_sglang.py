@@ -369,6 +369,7 @@ def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_setting
     assert "--skip-tokenizer-init" not in argv and argv[argv.index("--tokenizer-path") + 1] == tok
     assert argv[argv.index("--attention-backend") + 1] == "fa3" and argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert argv[argv.index("--page-size") + 1] == "16" and argv[argv.index("--context-length") + 1] == "66624"
+    assert "--log-level" not in argv   # the peer's batch lines logged, as mpfa's are
     # mpfa through its launcher, from a copy of the served YAML
     argv, env = serving.server_command("mpfa-qk4pv8", 66624, 9, tmp_path)
     assert argv[1:3] == ["-m", "mpfa.sglang.launch"] and argv[-2:] == ["--port", "9"] and env == {}
@@ -397,6 +398,20 @@ def test_serving_client_is_sglangs_with_the_same_prompts_for_everyone(tmp_path):
     assert flag("--dataset-name") == "random-ids" and "--tokenize-prompt" in cmd and "--flush-cache" in cmd
     assert int(flag("--random-input-len")) * float(flag("--random-range-ratio")) == 1024
     assert (flag("--num-prompts"), flag("--request-rate"), flag("--seed")) == ("100", "0.3", "1")
+    assert "--output-details" in cmd   # the per-request gaps, for the stall counts
+
+
+def test_serving_rows_count_the_stalls_in_the_per_request_gaps(tmp_path):
+    out = tmp_path / "r.jsonl"
+    gaps = [[0.03] * 500 + [1.5], [0.03] * 499, [2.0, 0.03], []]   # seconds, as bench_serving keeps them
+    out.write_text(json.dumps({"completed": 4, "p99_itl_ms": 31.0, "itls": gaps}) + "\n")
+    row = serving.client_row(out)
+    assert row["completed"] == 4 and row["p99_itl_ms"] == 31.0 and row["mean_ttft_ms"] is None
+    assert (row["itl_gaps"], row["itl_stalls"], row["requests_with_a_stall"]) == (1002, 2, 2)
+    assert row["itl_stall_fraction"] == pytest.approx(2 / 1002) and row["max_itl_ms"] == pytest.approx(2000.0)
+    assert row["p999_itl_ms"] == pytest.approx(1500.0)
+    out.write_text(json.dumps({"completed": 1, "p99_itl_ms": 5.0}) + "\n")   # no details: no counts
+    assert "itl_stalls" not in serving.client_row(out)
 
 
 def test_serving_summary_sets_the_headline_against_the_fa3_peers_per_rate():
@@ -410,6 +425,7 @@ def test_serving_summary_sets_the_headline_against_the_fa3_peers_per_rate():
     assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.3": 0.5}   # the failed peer row leaves 0.5 out
     assert s["itl_p99_ratio_vs_sglang_fa3_fp8kv"] == {"0.3": pytest.approx(30 / 35)}
     assert s["output_throughput_ratio_vs_sglang_fa3_bf16"] == {"0.3": pytest.approx(1.2)}
+    assert "itl_mean_ratio_vs_sglang_fa3_bf16" not in s   # rows without the field give no ratio
     merged = serving.merge(rows, [row("sglang-fa3-bf16", 0.5, 500.0, 45.0, 90.0)])
     assert len(merged) == 5 and serving.summarize(merged)["ttft_p50_ratio_vs_sglang_fa3_bf16"]["0.5"] == 0.5
 
