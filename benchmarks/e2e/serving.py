@@ -99,10 +99,10 @@ def server_command(config: str, context: int, port: int, tmp: Path, tp: int = 1)
     if config.startswith("mpfa-"):
         yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp, tp)
         return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port)], {}
-    argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=tp, port=port)
     # the peers' log at SGLang's default level, as mpfa's launcher leaves it: its batch lines show queueing and retraction
-    i = argv.index("--log-level")
-    argv = [a for a in argv[:i] + argv[i + 2:] if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
+    argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=tp, port=port,
+                                       log_level=None)
+    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
     return argv, env
 
 

@@ -117,14 +117,15 @@ def config_backend(config: str) -> str:
 
 
 def server_argv(config: str, model: str, *, context_length: int, mem_fraction: float, tp: int, port: int,
-                model_path: Path | None = None, dummy: bool = True, weights: str | None = None) -> tuple[list, dict]:
+                model_path: Path | None = None, dummy: bool = True, weights: str | None = None,
+                log_level: str | None = "warning") -> tuple[list, dict]:
     """(argv, extra environment) of one configuration's server; ``weights``: SGLang's --quantization (None: the
-    checkpoint's BF16 weights)."""
+    checkpoint's BF16 weights); ``log_level``: SGLang's --log-level (None: its default, which logs every batch)."""
     backend = config_backend(config)
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path or MODELS[model]),
             *(["--load-format", "dummy"] if dummy else []), "--skip-tokenizer-init", "--attention-backend", backend, "--page-size", str(PAGE_SIZE), "--context-length",
             str(context_length), "--mem-fraction-static", str(mem_fraction), "--tp-size", str(tp), "--port", str(port),
-            "--random-seed", "0", "--log-level", "warning"]
+            "--random-seed", "0", *(["--log-level", log_level] if log_level else [])]
     env = {}
     if weights:
         argv += ["--quantization", weights]

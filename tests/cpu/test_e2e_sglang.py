@@ -172,6 +172,9 @@ def test_server_argv_per_configuration():
     argv, env = tp.server_argv("flashinfer-fp8", "llama-3.1-8b", context_length=33856, mem_fraction=0.85, tp=1, port=9)
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3" and argv[argv.index("--attention-backend") + 1] == "flashinfer"
     assert env == {} and "--disable-prefill-cuda-graph" not in argv
+    assert argv[argv.index("--log-level") + 1] == "warning"   # quiet throughput servers unless log_level says else
+    assert "--log-level" not in tp.server_argv("flashinfer-fp8", "llama-3.1-8b", context_length=33856, mem_fraction=0.85,
+                                               tp=1, port=9, log_level=None)[0]
     # mpfa: the prefill graph is the plugin's choice, as for the plain command
     argv, env = tp.server_argv("mpfa-qk4pv8", "qwen3-14b", context_length=66560, mem_fraction=0.85, tp=2, port=9)
     assert env == {"MPFA_RECIPE": "qk4pv8"} and "--disable-prefill-cuda-graph" not in argv
