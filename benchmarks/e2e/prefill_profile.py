@@ -32,7 +32,6 @@ folder: the lead publishes). Time: per configuration a server start (~60-90 s) a
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gzip
 import json
 import re
@@ -206,14 +205,19 @@ def profile_config(config: str, args, logs: Path, traces: Path) -> dict:
                     args.port) as srv:
             info = server_info(srv.base)
             row.update(startup_s=round(srv.startup_s, 1), chunked_prefill_size=info.get("chunked_prefill_size"))
-            for name, prompt in (("warmup", warm), ("timed", timed)):
-                with GpuSampler() if name == "timed" else contextlib.nullcontext() as clocks:
-                    res = stream_generate(args.port, prompt, one_token)
+
+            def ask(name, prompt):
+                res = stream_generate(args.port, prompt, one_token)
                 if res.error:
                     raise RuntimeError(f"{name} request: {res.error}")
-                flush_radix_cache(srv.base)
-            row["ttft_s"] = round(res.ttft, 4)
+                return res
+
+            ask("warmup", warm)
+            flush_radix_cache(srv.base)
+            with GpuSampler() as clocks:   # the timed prompt's clocks, not the warmup's
+                row["ttft_s"] = round(ask("timed", timed).ttft, 4)
             row["gpu_clocks_timed"] = clocks.summary()
+            flush_radix_cache(srv.base)
             for name, prompt, where, activities in (("profiled", profiled, folder, ["GPU"]),
                                                     ("host_profiled", host_profiled, host_folder, ["CPU", "GPU"])):
                 http_json(f"{srv.base}/start_profile", {"output_dir": str(where), "activities": activities,
