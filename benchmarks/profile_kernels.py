@@ -32,7 +32,7 @@ QO, KV, D = 32, 8, 128
 def decode(recipe: str, batch: int = 32, context: int = 32768, page_size: int = 16, launches: int = 3):
     from benchmarks.suites.decode import _fill_mpfa, _page_table
     gen = torch.Generator(device="cuda").manual_seed(0)
-    num_pages, indptr, indices, last = _page_table(batch, context, page_size, "cuda", gen)
+    num_pages, indptr, indices, last = _page_table([context] * batch, page_size, "cuda", gen)
     cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=KV,
                               head_dim=D)
     _fill_mpfa(cache, gen)

@@ -1,12 +1,17 @@
 """Decode suite: one query token per request over a paged KV cache (issue shapes, head_dim 128,
 32 query / 8 KV heads), mpfa per recipe beside FlashInfer's BatchDecodeWithPagedKVCacheWrapper.
 
-Decode is memory-bound on the cache: bytes = batch x context x KV heads x bytes per token-head
+Decode is memory-bound on the cache: bytes = the batch's tokens x KV heads x bytes per token-head
 (K and V with their per-token scales) plus Q and O; the fraction is against the same-run HBM read
 ceiling. Caches are far larger than L2 (the smallest, 1 x 128K qk4pv8, is 214 MB), so no rotation.
+
+Beside the batches of one length, mixed-length batches (``SPREAD_SHAPES``: lengths spread evenly up to the
+longest, as a server's running batch under a load of 1K-64K prompts), where the split plan's balance across
+requests shows (ids end ``/spread``; kept out of the one-length figures and the plot).
 """
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from benchmarks.suites import _rows
@@ -26,6 +31,10 @@ OTHER_PAGE_SIZES = (32, 64)
 BYTES_PER_TOKEN_HEAD = {**{r: get_recipe(r).bytes_per_token_head(HEAD_DIM) for r in RECIPES},
                         "fi-bf16": 512, "fi-fp8": 256, "fi-nvfp4": 144}
 HEADLINE = (32, 32768, 16)     # the issue's comparison point
+# (batch, longest) of mixed-length batches, page 16: SGLang's bench_serving load (prompts of 1K-64K tokens)
+# decodes ~30-50 such requests at once; a 128K server holds fewer, longer ones.
+SPREAD_SHAPES = ((32, 65536), (16, 131072))
+SPREAD_IMPLS = (("mpfa", RECIPES), ("mpfa-graph", ("qk4pv8",)), ("flashinfer", ("fi-bf16", "fi-fp8")))
 BIG = 256 * 1024               # batch x context from which the 80% bandwidth target applies
 
 TABLE = [
@@ -45,10 +54,33 @@ TABLE = [
 ]
 
 
-def _case(impl, recipe, batch, context, page_size):
-    return {"id": f"{impl}/{recipe}/b{batch}/ctx{context}/page{page_size}", "kind": "kernel", "impl": impl,
-            "recipe": recipe, "batch": batch, "context": context, "page_size": page_size,
-            "qo_heads": QO_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+def _case(impl, recipe, batch, context, page_size, spread=False):
+    """A case; ``spread``: the batch's lengths are ``spread_lengths(batch, context)``, else all ``context``."""
+    case = {"id": f"{impl}/{recipe}/b{batch}/ctx{context}/page{page_size}" + ("/spread" if spread else ""),
+            "kind": "kernel", "impl": impl, "recipe": recipe, "batch": batch, "context": context,
+            "page_size": page_size, "qo_heads": QO_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
+    if spread:
+        case.update(lengths="spread", tokens=sum(spread_lengths(batch, context)))
+    return case
+
+
+def spread_lengths(batch: int, longest: int) -> list[int]:
+    """``batch`` lengths spread evenly up to ``longest`` (the i-th ``longest * (i + 1) / batch``, all but the
+    longest a few tokens short of a page boundary so last pages are partly full), in an order shuffled once
+    per batch size: a server's batch is in arrival order, not sorted by length."""
+    lengths = [longest * (i + 1) // batch - (0 if i == batch - 1 else 1 + (7 * i) % 15) for i in range(batch)]
+    random.Random(batch).shuffle(lengths)
+    return [max(1, n) for n in lengths]
+
+
+def case_lengths(case: dict) -> list[int]:
+    """The KV length of each request of a case."""
+    b, c = case["batch"], case["context"]
+    return spread_lengths(b, c) if case.get("lengths") == "spread" else [c] * b
+
+
+def is_spread(row: dict) -> bool:
+    return row.get("lengths") == "spread"
 
 
 def cases(quick: bool = False) -> list[dict]:
@@ -64,17 +96,23 @@ def cases(quick: bool = False) -> list[dict]:
     if not quick:
         b, ctx, _ = HEADLINE
         out += [_case("mpfa", r, b, ctx, p) for p in OTHER_PAGE_SIZES for r in RECIPES]
+        out += [_case(impl, r, b, ctx, 16, spread=True) for b, ctx in SPREAD_SHAPES
+                for impl, recipes in SPREAD_IMPLS for r in recipes]
     return out
 
 
-def _page_table(batch, context, page_size, device, gen):
+def _page_table(lengths, page_size, device, gen):
+    """``(num_pages, indptr, indices, last_page_len)`` for requests of ``lengths`` tokens, their pages drawn in
+    random order from a pool one page larger than they need."""
     import torch
-    per_req = context // page_size
-    num_pages = batch * per_req + 1
-    indices = torch.randperm(num_pages, generator=gen, device=device)[: batch * per_req].to(torch.int32)
-    indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * per_req
-    last = torch.full((batch,), page_size, dtype=torch.int32, device=device)
-    return num_pages, indptr, indices, last
+    pages = [-(-n // page_size) for n in lengths]
+    total = sum(pages)
+    num_pages = total + 1
+    indices = torch.randperm(num_pages, generator=gen, device=device)[:total].to(torch.int32)
+    indptr = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+    last = torch.tensor([n - (k - 1) * page_size for n, k in zip(lengths, pages)], dtype=torch.int32)
+    return num_pages, indptr.to(device), indices, last.to(device)
 
 
 def _fill_mpfa(cache, gen):
@@ -102,17 +140,18 @@ def server_splits(recipe: str, batch: int, context: int, page_size: int) -> dict
     return dict(num_splits=n, fixed_split_size=size)
 
 
-def read_bytes(batch: int, context: int, bytes_per_token_head: int) -> int:
+def read_bytes(lengths: list[int], bytes_per_token_head: int) -> int:
     """Bytes a decode call must move: the cache of every token and KV head, q read and o written (bf16)."""
-    return batch * context * KV_HEADS * bytes_per_token_head + 2 * batch * QO_HEADS * HEAD_DIM * 2
+    return sum(lengths) * KV_HEADS * bytes_per_token_head + 2 * len(lengths) * QO_HEADS * HEAD_DIM * 2
 
 
-def mpfa_inputs(recipe: str, batch: int, context: int, page_size: int, gen):
-    """An mpfa decode call's inputs: a filled cache (pages in random order), its page table
-    ``(indptr, indices, last_page_len)`` and bf16 queries (shared with the decode_splits suite)."""
+def mpfa_inputs(recipe: str, lengths: list[int], page_size: int, gen):
+    """An mpfa decode call's inputs for requests of ``lengths`` tokens: a filled cache (pages in random order),
+    its page table ``(indptr, indices, last_page_len)`` and bf16 queries (shared with the decode_splits suite)."""
     import torch
     import mpfa
-    num_pages, indptr, indices, last = _page_table(batch, context, page_size, "cuda", gen)
+    batch = len(lengths)
+    num_pages, indptr, indices, last = _page_table(lengths, page_size, "cuda", gen)
     cache = mpfa.PagedKVCache(recipe, num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=KV_HEADS,
                               head_dim=HEAD_DIM, device="cuda")
     _fill_mpfa(cache, gen)
@@ -124,7 +163,8 @@ def _mpfa(case, ctx, gen):
     import torch
     import mpfa
     b, c, p = case["batch"], case["context"], case["page_size"]
-    cache, (indptr, indices, last), q = mpfa_inputs(case["recipe"], b, c, p, gen)
+    lengths = case_lengths(case)
+    cache, (indptr, indices, last), q = mpfa_inputs(case["recipe"], lengths, p, gen)
     w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     splits = server_splits(case["recipe"], b, c, p) if case["impl"] == "mpfa-graph" else {}
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
@@ -134,10 +174,10 @@ def _mpfa(case, ctx, gen):
     out.fill_(float("nan"))            # poisoned: a row the kernel leaves unwritten fails the check below
     w.run(q, layer, out=out)
     return timing, {"num_splits": w.num_splits, "bytes_per_token_head": cache.bytes_per_token_head,
-                    "rel_l2": rel_l2_vs_fp64(q, layer, indptr, indices, c, out)}
+                    "rel_l2": rel_l2_vs_fp64(q, layer, indptr, indices, lengths, out)}
 
 
-def rel_l2_vs_fp64(q, layer, kv_indptr, kv_indices, context: int, out) -> float:
+def rel_l2_vs_fp64(q, layer, kv_indptr, kv_indices, lengths: list[int], out) -> float:
     """The worst request's relative L2 distance between ``out`` and fp64 attention over the dequantized cache
     (the decode issue's bound is 5e-3; the cache's own quantization error is the accuracy suite's). One
     request's pages at a time, so a 128K-token request costs ~2 GB of fp64 K and V. Inf when ``out`` holds
@@ -151,7 +191,7 @@ def rel_l2_vs_fp64(q, layer, kv_indptr, kv_indices, context: int, out) -> float:
         ids = kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])]
         k, v = layer.dequantize(dtype=torch.float64, pages=ids)
         local = torch.arange(ids.numel(), device=ids.device)
-        o, _ = attention(q[b:b + 1], gather_pages(k, local, context), gather_pages(v, local, context),
+        o, _ = attention(q[b:b + 1], gather_pages(k, local, lengths[b]), gather_pages(v, local, lengths[b]),
                          causal=False, dtype=torch.float64)
         worst = max(worst, ((out[b].double() - o[0]).norm() / o[0].norm()).item())
     return worst
@@ -164,8 +204,8 @@ def _flashinfer(case, ctx, gen):
         import flashinfer
     except ImportError as e:
         raise Skip(f"flashinfer not importable: {e}")
-    b, c, p = case["batch"], case["context"], case["page_size"]
-    num_pages, indptr, indices, last = _page_table(b, c, p, "cuda", gen)
+    b, p = case["batch"], case["page_size"]
+    num_pages, indptr, indices, last = _page_table(case_lengths(case), p, "cuda", gen)
     kind = case["recipe"]
     shape = (num_pages, KV_HEADS, p, HEAD_DIM)   # HND
     run_kw = {}
@@ -208,9 +248,9 @@ def _flashinfer(case, ctx, gen):
 def run_case(case: dict, ctx) -> dict:
     impl = _mpfa if case["impl"].startswith("mpfa") else _flashinfer
     timing, extra = _rows.run_on_gpu(impl, case, ctx, seed=ctx.seed + hash(case["id"]) % 1000)
-    return _rows.measured_row(case, timing, extra=extra,
-                              bytes=read_bytes(case["batch"], case["context"], extra["bytes_per_token_head"]),
-                              flops=4 * case["batch"] * case["context"] * QO_HEADS * HEAD_DIM)
+    lengths = case_lengths(case)
+    return _rows.measured_row(case, timing, extra=extra, bytes=read_bytes(lengths, extra["bytes_per_token_head"]),
+                              flops=4 * sum(lengths) * QO_HEADS * HEAD_DIM)
 
 
 _gbps = _rows.rate
@@ -230,9 +270,32 @@ def annotate(rows: list[dict]) -> list[dict]:
     return _rows.annotate(rows, derive)
 
 
+def spread_summary(rows: list[dict], hbm: float | None) -> dict:
+    """Per mixed-length shape (``<batch>x<longest>``): its tokens, each implementation's fraction of HBM, and
+    the time of mpfa qk4pv8 under the SGLang backend's split plan (``mpfa-graph``) over FlashInfer's BF16 and
+    FP8 decode of the same lengths (FlashInfer plans each request's chunks from the batch's lengths)."""
+    out = {}
+    for r in _ok(rows):
+        if not is_spread(r):
+            continue
+        entry = out.setdefault(f"{r['batch']}x{r['context']}", {"tokens": r.get("tokens"), "hbm_fraction": {},
+                                                                "ms": {}})
+        name = f"{r['impl']} {r['recipe']}"
+        entry["ms"][name] = r["ms"]
+        entry["hbm_fraction"][name] = _gbps(r) / hbm if hbm else None
+    for entry in out.values():
+        ms = entry["ms"]
+        for peer in ("fi-bf16", "fi-fp8"):
+            a, b = ms.get("mpfa-graph qk4pv8"), ms.get(f"flashinfer {peer}")
+            entry[f"server_plan_time_ratio_vs_flashinfer_{peer[3:]}"] = a / b if a and b else None
+        a, b = ms.get("mpfa-graph qk4pv8"), ms.get("mpfa qk4pv8")
+        entry["server_plan_over_adaptive"] = a / b if a and b else None
+    return out
+
+
 def summarize(rows: list[dict]) -> dict:
     hbm = _hbm_gbps(rows)
-    ok = _ok(rows)
+    ok = [r for r in _ok(rows) if not is_spread(r)]   # the one-length figures
 
     def find(impl, recipe, b, c, p):
         return next((r for r in ok if (r["impl"], r["recipe"], r["batch"], r["context"], r["page_size"])
@@ -260,7 +323,7 @@ def summarize(rows: list[dict]) -> dict:
             if base:
                 graph[f"{r['batch']}x{r['context']}"] = r["ms"] / base["ms"]
     fi_nvfp4 = find("flashinfer", "fi-nvfp4", *HEADLINE)
-    errs = {r: max((x["rel_l2"] for x in ok if x["impl"].startswith("mpfa") and x["recipe"] == r and "rel_l2" in x),
+    errs = {r: max((x["rel_l2"] for x in _ok(rows) if x["impl"].startswith("mpfa") and x["recipe"] == r and "rel_l2" in x),
                    default=None) for r in measured}
     return {
         "hbm_read_gbps": hbm,
@@ -277,6 +340,7 @@ def summarize(rows: list[dict]) -> dict:
         "graph_fixed_split_time_ratio": graph,
         # every mpfa row against fp64 attention over its dequantized cache (bound 5e-3)
         "max_rel_l2_vs_fp64": errs,
+        "spread": spread_summary(rows, hbm),
         **_rows.run_counts(rows),
     }
 
@@ -285,13 +349,13 @@ def roofline_points(result: dict) -> list[tuple]:
     """mpfa at the headline shape, per recipe, and the peers there (page 16)."""
     b, c, p = HEADLINE
     return [(f"decode {r['impl']} {r['recipe']}", r["flops"], r["bytes"], r["ms"] * 1e-3) for r in _ok(result["rows"])
-            if (r["batch"], r["context"], r["page_size"]) == (b, c, p) and "flops" in r]
+            if (r["batch"], r["context"], r["page_size"]) == (b, c, p) and "flops" in r and not is_spread(r)]
 
 
 def plot(result: dict, out_dir: Path) -> list[Path]:
     """Achieved bandwidth against batch x context, per implementation, with the HBM ceiling."""
     from benchmarks import plots
-    ok = [r for r in _ok(result["rows"]) if r["page_size"] == 16]
+    ok = [r for r in _ok(result["rows"]) if r["page_size"] == 16 and not is_spread(r)]
     if not ok:
         return []
     xs = sorted({r["batch"] * r["context"] for r in ok})

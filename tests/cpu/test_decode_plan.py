@@ -244,12 +244,15 @@ def test_split_sweep_cases_and_summary():
 
 def test_decode_suite_accuracy_check_against_fp64():
     # The decode suite's per-row check on the reference backend (CPU): the float32 reference is within
-    # 1e-5 of fp64, a perturbed output is not, and a NaN (an unwritten element) is infinite.
+    # 1e-5 of fp64, a perturbed output is not, and a NaN (an unwritten element) is infinite. Mixed lengths,
+    # one of them a whole number of pages and one a partial single page, as the suite's mixed-length batches.
     from benchmarks.suites import decode as suite
     import mpfa
     gen = torch.Generator().manual_seed(0)
-    batch, context, page = 3, 80, 16
-    num_pages, indptr, indices, last = suite._page_table(batch, context, page, "cpu", gen)
+    lengths, page = [80, 37, 5], 16
+    batch = len(lengths)
+    num_pages, indptr, indices, last = suite._page_table(lengths, page, "cpu", gen)
+    assert indptr.tolist() == [0, 5, 8, 9] and last.tolist() == [16, 5, 5] and num_pages == 10
     cache = mpfa.PagedKVCache("qk4pv8", num_layers=1, num_pages=num_pages, page_size=page, num_kv_heads=8,
                               head_dim=128, device="cpu")
     k = torch.randn(cache.num_slots, 8, 128, generator=gen).to(torch.bfloat16)
@@ -261,9 +264,55 @@ def test_decode_suite_accuracy_check_against_fp64():
     w.plan(indptr, indices, last, 32, 8, 128, page, recipe="qk4pv8")
     q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16)
     out = w.run(q, layer)
-    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, context, out) < 5e-3
+    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, lengths, out) < 5e-3
     worse = out.clone()
     worse[1] += 0.05 * worse[1].abs().max()
-    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, context, worse) > 5e-3
+    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, lengths, worse) > 5e-3
     worse[2, 0, 0] = float("nan")
-    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, context, worse) == float("inf")
+    assert suite.rel_l2_vs_fp64(q, layer, indptr, indices, lengths, worse) == float("inf")
+
+
+def test_mixed_length_batches_in_the_decode_suites():
+    from benchmarks.suites import decode as suite
+    from benchmarks.suites import decode_splits as ds
+    lengths = suite.spread_lengths(32, 65536)
+    # 2K, 4K, ..., 64K, all but the longest ending inside a page, in arrival (shuffled) order
+    assert max(lengths) == 65536 and len(set(lengths)) == 32 and lengths != sorted(lengths)
+    assert sorted(-(-n // 2048) for n in lengths) == list(range(1, 33)) and sum(n % 16 != 0 for n in lengths) == 31
+    assert suite.spread_lengths(32, 65536) == lengths                      # the same batch every run
+    spread = [c for c in suite.cases() if suite.is_spread(c)]
+    assert {(c["impl"], c["recipe"]) for c in spread} >= {("mpfa-graph", "qk4pv8"), ("flashinfer", "fi-fp8")}
+    assert all(c["id"].endswith("/spread") and c["tokens"] == sum(suite.case_lengths(c)) for c in spread)
+    assert not any(suite.is_spread(c) for c in suite.cases(quick=True))
+    assert suite.read_bytes([3, 5], 100) == 8 * suite.KV_HEADS * 100 + 2 * 2 * suite.QO_HEADS * suite.HEAD_DIM * 2
+
+    sizes = {c["forced_split_size"] for c in ds.cases() if c["plan"] == "size" and c["context"] == 65536}
+    assert sizes == {w for w in ds.FORCED_SIZES if w <= 65536}
+
+    def row(plan, splits, ms, size=None):
+        r = {"kind": "kernel", "status": "ok", "recipe": "qk4pv8", "batch": 32, "context": 65536, "plan": plan,
+             "num_splits": splits, "ms": ms, "forced_splits": splits if plan == "forced" else None,
+             "resident_ctas": 4, "num_sms": 132, "lengths": "spread"}
+        return {**r, "forced_split_size": size} if size else r
+    # The server's rule cuts this batch into 32K-token splits (2 for the longest); a size row at 32K times it.
+    rows = [row("adaptive", 2, 1.3), row("server", 4, 1.2), row("forced", 2, 1.3), row("forced", 4, 1.1),
+            row("size", 8, 1.0, 8192), row("size", 2, 1.25, 32768)]
+    summary = ds.summarize(rows)
+    s = summary["by_shape"]["qk4pv8/32x65536/spread"]
+    assert s["best_split_size"] == 8192 and s["best_ms"] == 1.0 and s["server_over_best"] == pytest.approx(1.2)
+    assert (s["rule_server_splits"], s["rule_server_over_best"]) == (2, pytest.approx(1.25))  # the size row
+    assert (s["rule_adaptive_splits"], s["rule_adaptive_over_best"]) == (2, pytest.approx(1.3))
+    assert summary["spread_server_over_best_worst"] == pytest.approx(1.2)
+    assert summary["server_over_best_worst"] is None                     # no one-length shape in these rows
+    assert [r["plan"] for r in ds.readme_rows(rows)] == ["adaptive", "server", "size"]
+
+    def drow(impl, recipe, ms):
+        return {"kind": "kernel", "status": "ok", "impl": impl, "recipe": recipe, "batch": 32, "context": 65536,
+                "page_size": 16, "lengths": "spread", "tokens": sum(lengths), "ms": ms,
+                "bytes": suite.read_bytes(lengths, 100)}
+    ceiling = {"kind": "ceiling", "status": "ok", "id": "hbm_read", "name": "hbm_read", "ms": 1.0, "bytes": 4e9}
+    d = suite.spread_summary([ceiling, drow("mpfa-graph", "qk4pv8", 0.6), drow("mpfa", "qk4pv8", 0.5),
+                              drow("flashinfer", "fi-fp8", 0.75)], 4000.0)["32x65536"]
+    assert d["server_plan_time_ratio_vs_flashinfer_fp8"] == pytest.approx(0.8)
+    assert d["server_plan_over_adaptive"] == pytest.approx(1.2) and d["server_plan_time_ratio_vs_flashinfer_bf16"] is None
+    assert d["hbm_fraction"]["mpfa qk4pv8"] == pytest.approx(suite.read_bytes(lengths, 100) / 0.5e-3 / 1e9 / 4000)
