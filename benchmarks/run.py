@@ -1,6 +1,6 @@
 """The one benchmark command: ceilings, then the selected suites, in one process on one GPU.
 
-    python -m benchmarks.run [--suites append,...] [--publish] [--out DIR] [--quick] [--repeat 2]
+    python -m benchmarks.run [--suites append,...] [--publish] [--out DIR] [--quick] [--repeat 2] [--cases spread]
 
 Per suite it writes `<out>/<RESULT>.json` ({"meta", "summary", "rows"}, ceiling rows
 included) and `<out>/<RESULT>.png`, and prints the suite's table. `<out>` is
@@ -80,12 +80,18 @@ def run_case(suite, case: dict, ctx: suites.Context, write=print) -> dict:
         return {**case, "status": "error", "reason": f"{type(e).__name__}: {e}"}
 
 
-def run_suite(suite, ctx: suites.Context, repeat: int) -> list[dict]:
-    """All cases of a suite, `repeat` times over, merged into one row per case."""
+def selected(cases: list[dict], patterns: list[str] | None) -> list[dict]:
+    """The cases whose id contains one of ``patterns`` (all of them when None)."""
+    return cases if patterns is None else [c for c in cases if any(p in c["id"] for p in patterns)]
+
+
+def run_suite(suite, ctx: suites.Context, repeat: int, patterns: list[str] | None = None) -> list[dict]:
+    """The suite's cases (those ``selected`` by ``patterns``), `repeat` times over, merged into one row per case."""
     cases = suite.cases(ctx.quick)
     ids = [c["id"] for c in cases]
     if len(set(ids)) != len(ids):
         raise ValueError(f"suite {suite.NAME}: case ids are not unique")
+    cases = selected(cases, patterns)
     runs = []
     with _progress(len(cases) * repeat, suite.NAME) as bar:
         for rep in range(repeat):
@@ -110,6 +116,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--mem-budget-gib", type=float, default=8.0,
                     help="cap on memory for rotated input sets per case")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated substrings: run only the cases whose id holds one (e.g. 'spread'); "
+                         "a partial suite goes to --out or scratch, never --publish")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-readme", action="store_true",
                     help="do not rewrite benchmarks/RESULTS.md (the option predates that file)")
@@ -117,6 +126,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.cases is not None:
+        args.cases = [p.strip() for p in args.cases.split(",") if p.strip()]
+        if not args.cases:
+            ap.error("--cases: give comma-separated substrings of case ids, e.g. 'spread'")
+        if args.publish:
+            ap.error("--cases runs part of a suite, which would replace the published rows of the rest: "
+                     "leave out --publish (results go to --out or scratch)")
     args.out = publish.destination(ap, args.out, args.publish)
     return args
 
@@ -131,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"benchmarks.run: {e}", file=sys.stderr)
         return 2
+    for mod in mods if args.cases else ():
+        if not selected(mod.cases(args.quick), args.cases):
+            print(f"benchmarks.run: --cases {','.join(args.cases)} matches no case of suite {mod.NAME}"
+                  f"{' (--quick)' if args.quick else ''}", file=sys.stderr)
+            return 2
     torch = require_cuda()
     props = torch.cuda.get_device_properties(0)
     if args.publish and (refused := publish.refusal("benchmarks.run", [f"{m.RESULT}.json" for m in mods], args.out,
@@ -156,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     folders = set()   # where this run's suites went: their roofline is redrawn there
     for mod in mods:
-        rows = ceiling_rows + run_suite(mod, ctx, args.repeat)
+        rows = ceiling_rows + run_suite(mod, ctx, args.repeat, args.cases)
         if hasattr(mod, "annotate"):
             rows = mod.annotate(rows)
         summary = mod.summarize(rows)

@@ -384,6 +384,24 @@ def test_run_without_gpu_fails_clearly(capsys):
     assert "no CUDA GPU visible" in capsys.readouterr().err
 
 
+def test_run_cases_selects_part_of_a_suite_and_never_publishes_it(capsys):
+    from benchmarks import run
+    from benchmarks.suites import decode
+
+    spread = run.selected(decode.cases(), ["spread"])
+    assert spread and all(c["id"].endswith("/spread") for c in spread)
+    assert run.selected(decode.cases(), None) == decode.cases()
+    with pytest.raises(SystemExit) as exc:
+        run.main(["--suites", "decode", "--cases", "spread", "--publish"])
+    assert exc.value.code == 2 and "leave out --publish" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.main(["--suites", "decode", "--cases", " , "])
+    assert "--cases: give comma-separated substrings" in capsys.readouterr().err
+    # a pattern no case of a suite holds is refused before any GPU is looked for
+    assert run.main(["--suites", "decode,append", "--cases", "spread"]) == 2
+    assert "--cases spread matches no case of suite append" in capsys.readouterr().err
+
+
 def test_meta_has_the_design_fields(monkeypatch):
     from benchmarks import meta
 

@@ -316,3 +316,6 @@ def test_mixed_length_batches_in_the_decode_suites():
     assert d["server_plan_time_ratio_vs_flashinfer_fp8"] == pytest.approx(0.8)
     assert d["server_plan_over_adaptive"] == pytest.approx(1.2) and d["server_plan_time_ratio_vs_flashinfer_bf16"] is None
     assert d["hbm_fraction"]["mpfa qk4pv8"] == pytest.approx(suite.read_bytes(lengths, 100) / 0.5e-3 / 1e9 / 4000)
+    # a run of the mixed-length cases alone (benchmarks.run --cases spread) still summarizes
+    whole = suite.summarize([drow("mpfa-graph", "qk4pv8", 0.6), drow("flashinfer", "fi-fp8", 0.75)])
+    assert whole["min_hbm_fraction"] is None and whole["spread"]["32x65536"]["ms"]["mpfa-graph qk4pv8"] == 0.6
