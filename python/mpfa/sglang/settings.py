@@ -300,13 +300,7 @@ def served_page_size(env: Mapping[str, str] | None = None, config: ServerConfig 
     ``MPFA_PAGE_SIZE``, else ``sglang.page-size`` of the YAML ``MPFA_CONFIG`` names (or ``config``), else
     :data:`DEFAULT_PAGE_SIZE`. The source reads as in :attr:`MpfaSettings.sources`."""
     env = os.environ if env is None else env
-    if env.get(ENV_PAGE_SIZE, "") != "":
-        return parse_page_size(ENV_PAGE_SIZE, env[ENV_PAGE_SIZE]), f"env {ENV_PAGE_SIZE}"
-    if config is None:
-        config = config_from_env(env)
-    if config is not None and config.page_size is not None:
-        return config.page_size, f"yaml {config.path}"
-    return DEFAULT_PAGE_SIZE, "default"
+    return _resolve("page_size", env, config_from_env(env) if config is None else config, DEFAULT_PAGE_SIZE)
 
 
 def resolve_prefill_cuda_graph(env: Mapping[str, str] | None = None,
