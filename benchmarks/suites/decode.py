@@ -42,6 +42,7 @@ TABLE = [
     ("kv", "recipe", "{}"),
     ("batch", "batch", "{}"),
     ("context", "context", "{}"),
+    ("lengths", "lengths", "{}"),
     ("page", "page_size", "{}"),
     ("splits", "num_splits", "{}"),
     ("ms", "ms", "{:.4f}"),
