@@ -429,6 +429,9 @@ def test_serving_summary_sets_the_headline_against_the_fa3_peers_per_rate():
     assert s["itl_p99_ratio_vs_sglang_fa3_fp8kv"] == {"0.3": pytest.approx(30 / 35)}
     assert s["output_throughput_ratio_vs_sglang_fa3_bf16"] == {"0.3": pytest.approx(1.2)}
     assert "itl_mean_ratio_vs_sglang_fa3_bf16" not in s   # rows without the field give no ratio
+    typical = serving.summarize([{**r, "median_itl_ms": 10.0 if r["config"].startswith("mpfa") else 8.0}
+                                 for r in rows if r["status"] == "ok"])
+    assert typical["itl_p50_ratio_vs_sglang_fa3_fp8kv"] == {"0.3": pytest.approx(1.25)}   # the typical decode step
     merged = serving.merge(rows, [row("sglang-fa3-bf16", 0.5, 500.0, 45.0, 90.0)])
     assert len(merged) == 5 and serving.summarize(merged)["ttft_p50_ratio_vs_sglang_fa3_bf16"]["0.5"] == 0.5
 
