@@ -30,7 +30,8 @@ RECIPES = ("bf16", "qk4pv8")
 SHAPES = ((1, 131072), (6, 131072), (8, 131072), (14, 131072), (12, 65536), (28, 65536), (25, 32768), (55, 32768))
 FORCED = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 SPREAD_SHAPES = _decode.SPREAD_SHAPES
-FORCED_SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)   # tokens per split, mixed-length batches
+# tokens per split on the mixed-length batches: every 2K up to 32K (a rule's size lands within ~10% of one), then coarser
+FORCED_SIZES = (1024, *range(2048, 32769, 2048), 49152, 65536, 98304, 131072)
 MAX_CTAS = 132 * 16   # forced counts past ~16 CTAs per SM (4 waves at 4 resident) only add merge work
 
 TABLE = [
