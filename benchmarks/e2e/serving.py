@@ -1,6 +1,7 @@
 """SGLang's own serving client against mpfa and SGLang's backends: latency and throughput under Poisson load.
 
-    python -m benchmarks.e2e.serving --rates 0.25,0.4,0.55 [--configs ...] [--prompts 100] [--tp 1] [--publish]
+    python -m benchmarks.e2e.serving --rates 0.25,0.4,0.55 [--configs ...] [--prompts 100] [--tp 1] [--mixed-chunk]
+        [--publish]
 
 Per configuration one server, then per request rate (lowest first) one run of SGLang's client:
 
@@ -34,6 +35,10 @@ run: ``benchmarks.e2e.runs``), so runs of a few configurations at a time add up 
 the summary sets mpfa qk4pv8 against the fa3 peers per rate (``ttft_p50_ratio_vs_sglang_fa3_bf16``, ...), and
 ``serving_h200.png`` plots TTFT p50, ITL p99 and end-to-end p50 against the rate, one line per configuration.
 ``<out>`` is benchmarks/results/scratch unless ``--publish`` (benchmarks/publish.py).
+
+``--mixed-chunk`` serves every configuration with SGLang's ``--enable-mixed-chunk`` (decode steps ride inside prefill
+batches instead of waiting behind them: the server option aimed at the stalls). Its rows stand apart, as rows on
+several GPUs do: ``mixed_chunk`` in the row, ratios keyed ``mixed/<rate>``, paired only with each other, not plotted.
 """
 from __future__ import annotations
 
@@ -95,15 +100,18 @@ def mpfa_yaml(recipe: str, context: int, tmp: Path, tp: int = 1) -> Path:
     return out
 
 
-def server_command(config: str, context: int, port: int, tmp: Path, tp: int = 1) -> tuple[list, dict]:
-    """(argv, extra environment) of one configuration's server on ``tp`` GPUs."""
+def server_command(config: str, context: int, port: int, tmp: Path, tp: int = 1,
+                   mixed_chunk: bool = False) -> tuple[list, dict]:
+    """(argv, extra environment) of one configuration's server on ``tp`` GPUs (``mixed_chunk``: with SGLang's
+    ``--enable-mixed-chunk``)."""
+    extra = ["--enable-mixed-chunk"] if mixed_chunk else []
     if config.startswith("mpfa-"):
         yaml_path = mpfa_yaml(config.split("-", 1)[1], context, tmp, tp)
-        return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port)], {}
+        return [sys.executable, "-m", "mpfa.sglang.launch", str(yaml_path), "--", "--port", str(port), *extra], {}
     # the peers' log at SGLang's default level, as mpfa's launcher leaves it: its batch lines show queueing and retraction
     argv, env = throughput.server_argv(config, MODEL, context_length=context, mem_fraction=0.85, tp=tp, port=port,
                                        log_level=None)
-    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp))]
+    argv = [a for a in argv if a != "--skip-tokenizer-init"] + ["--tokenizer-path", str(tokenizer_dir(tmp)), *extra]
     return argv, env
 
 
@@ -139,19 +147,26 @@ def client_row(out_file: Path) -> dict:
 
 
 def _load(r: dict) -> tuple:
-    """What a row's client sent, to how many GPUs: the rate, the request count, the seed (prompts and arrival
-    times) and the tensor-parallel size."""
-    return r["rate"], r.get("prompts"), r.get("seed"), r.get("tp", 1)
+    """What a row's client sent, to what servers: the rate, the request count, the seed (prompts and arrival
+    times), the tensor-parallel size and whether decode steps rode in prefill batches (``--mixed-chunk``)."""
+    return r["rate"], r.get("prompts"), r.get("seed"), r.get("tp", 1), bool(r.get("mixed_chunk"))
+
+
+def _is_default_serving(r: dict) -> bool:
+    """A row of one GPU without ``--mixed-chunk``: the rates list and the plot are theirs."""
+    return r.get("tp", 1) == 1 and not r.get("mixed_chunk")
 
 
 def _rate_key(r: dict) -> str:
-    """A summary dict's key for a row: its rate, ``tp<N>/<rate>`` on more than one GPU."""
-    return str(r["rate"]) if r.get("tp", 1) == 1 else f"tp{r['tp']}/{r['rate']}"
+    """A summary dict's key for a row: its rate, ``tp<N>/<rate>`` on more than one GPU, ``mixed/`` before either
+    with ``--mixed-chunk``."""
+    key = str(r["rate"]) if r.get("tp", 1) == 1 else f"tp{r['tp']}/{r['rate']}"
+    return f"mixed/{key}" if r.get("mixed_chunk") else key
 
 
 def _by_rate(item: tuple[str, float]) -> tuple[str, float]:
-    tp, _, rate = item[0].rpartition("/")
-    return tp, float(rate)
+    prefix, _, rate = item[0].rpartition("/")
+    return prefix, float(rate)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -160,7 +175,7 @@ def summarize(rows: list[dict]) -> dict:
     throughput. Each ratio pairs the peer's row with the headline row of its run and load (``runs.partner``), and
     ``pairs_measured`` names the commit of each rate's pair. ``rates``: those measured on one GPU."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    rates = sorted({r["rate"] for r in ok if r.get("tp", 1) == 1})
+    rates = sorted({r["rate"] for r in ok if _is_default_serving(r)})
     out: dict = {"rates": rates}
     measured: dict = {}
     for peer, suffix in PEERS.items():
@@ -182,8 +197,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     """``serving_h200.png``: TTFT p50, ITL p99 and end-to-end latency p50 against the request rate, a panel each,
     one line per configuration (its newest rows on one GPU)."""
     from benchmarks import plots
-    newest = {(r["config"], r["rate"]): r for r in rows   # rows run oldest first; one GPU's lines
-              if r.get("status") == "ok" and r.get("tp", 1) == 1}
+    newest = {(r["config"], r["rate"]): r for r in rows   # rows run oldest first; one GPU's lines, no --mixed-chunk
+              if r.get("status") == "ok" and _is_default_serving(r)}
     if not newest:
         return []
     rates = sorted({rate for _, rate in newest})
@@ -198,7 +213,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def merge(previous: list[dict], new: list[dict]) -> list[dict]:
     """Rows after a run: a (configuration, rate) measured again replaces its earlier row, except a headline row
     that a kept peer's ratio pairs with (``runs.merge``); within a configuration and rate the newest comes last."""
-    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"], r.get("tp", 1)), _load, HEADLINE)
+    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"], r.get("tp", 1), bool(r.get("mixed_chunk"))),
+                        _load, HEADLINE)
     return sorted(merged, key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
 
 
@@ -240,11 +256,12 @@ def run_rate(config: str, args, rate: float, srv, base: dict, out_dir: Path, tok
 def run_config(config: str, args, rates: list[float], tmp: Path, log_dir: Path, bar, on_row) -> None:
     """One server, every rate against it (``on_row`` gets each rate's row as it ends); a failure becomes error rows."""
     context = throughput.server_context_length(INPUT_MAX, OUTPUT_MAX, throughput.model_config(MODEL)["max_position_embeddings"])
-    argv, extra = server_command(config, context, args.port, tmp, args.tp)
+    argv, extra = server_command(config, context, args.port, tmp, args.tp, args.mixed_chunk)
     base = {"part": "serving", "config": config, "model": MODEL, "tp": args.tp, "prompts": args.prompts, "seed": args.seed,
             "input_len_range": [int(INPUT_MAX * RANGE_RATIO), INPUT_MAX],
             "output_len_range": [int(OUTPUT_MAX * RANGE_RATIO), OUTPUT_MAX], "dataset": "random-ids",
-            "tokenizer": "synthetic word-level, the model's vocabulary"}
+            "tokenizer": "synthetic word-level, the model's vocabulary",
+            **({"mixed_chunk": True} if args.mixed_chunk else {})}
     done: set = set()
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -274,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="bench_serving's seed: prompts and arrival times")
     ap.add_argument("--port", type=int, default=PORT)
     ap.add_argument("--tp", type=int, default=1, help="GPUs per server, SGLang's --tp-size (default %(default)s)")
+    ap.add_argument("--mixed-chunk", action="store_true",
+                    help="serve with SGLang's --enable-mixed-chunk (rows apart, ratios keyed mixed/<rate>)")
     publish.add_arguments(ap)
     args = ap.parse_args(argv)
     args.out = publish.destination(ap, args.out, args.publish)

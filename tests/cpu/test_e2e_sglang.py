@@ -392,6 +392,14 @@ def test_serving_servers_name_the_tokenizer_and_keep_the_throughput_runs_setting
     argv, _ = serving.server_command("mpfa-qk4pv8", 66624, 9, tmp_path, tp=2)
     plan = build_launch(argv[3], env={})
     assert plan.argv[plan.argv.index("--tp-size") + 1] == "2"
+    # --mixed-chunk: SGLang's --enable-mixed-chunk on both sides (mpfa's through its launcher's extra arguments)
+    argv, _ = serving.server_command("sglang-fa3-fp8kv", 66624, 9, tmp_path, mixed_chunk=True)
+    assert "--enable-mixed-chunk" in argv
+    assert "--enable-mixed-chunk" not in serving.server_command("sglang-fa3-fp8kv", 66624, 9, tmp_path)[0]
+    argv, _ = serving.server_command("mpfa-qk4pv8", 66624, 9, tmp_path, mixed_chunk=True)
+    extra = argv[argv.index("--") + 1:]
+    assert extra == ["--port", "9", "--enable-mixed-chunk"]
+    assert build_launch(argv[3], extra_args=extra, env={}).argv[-1] == "--enable-mixed-chunk"
 
 
 def test_serving_client_is_sglangs_with_the_same_prompts_for_everyone(tmp_path):
@@ -457,6 +465,14 @@ def test_serving_ratios_pair_rows_of_one_session_as_the_file_fills_over_sessions
     assert len(both) == 6
     s = serving.summarize(both)
     assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.4": 0.5, "tp2/0.4": 0.5} and s["rates"] == [0.4]
+    # rows with --mixed-chunk: kept beside the others, paired only with each other, keyed mixed/<rate>
+    mixed = [{**r, "mixed_chunk": True, "median_ttft_ms": r["median_ttft_ms"] / 4} for r in first[:1]] + \
+        [{**first[1], "mixed_chunk": True}]
+    all_rows = serving.merge(both, mixed)
+    assert len(all_rows) == 8
+    s = serving.summarize(all_rows)
+    assert s["ttft_p50_ratio_vs_sglang_fa3_bf16"] == {"0.4": 0.5, "mixed/0.4": 0.125, "tp2/0.4": 0.5}
+    assert s["rates"] == [0.4] and "mixed/0.4" not in s["ttft_p50_ratio_vs_sglang_fa3_fp8kv"]
 
 
 def test_serving_plot_is_one_figure_of_three_latency_panels(tmp_path):
