@@ -18,7 +18,9 @@ behaviour:
   own greedy tokens are flashinfer BF16's argmax given its prefix (its decode path); a shuffled-prompt control must
   fall below the same bound (real weights only: without them these skip, naming the command that makes them);
 - the quantized pools hold the bytes-per-token ratio more tokens than bf16's at the same memory fraction;
-- an unsupported page size fails at startup with a message naming it.
+- an unsupported page size fails at startup with a message naming it;
+- with SGLang's ``--enable-mixed-chunk`` (decode steps inside prefill batches, served by mpfa's extend path as
+  1-token rows) bf16's greedy tokens are still flashinfer's argmax up to its own near-ties (real weights only).
 """
 import functools
 import json
@@ -254,6 +256,21 @@ def test_breakable_prefill_graph_gives_the_eager_prefills_tokens(recipe, logs):
     graph = _ok(_run("mpfa", recipe, graphs=True, tmp_path=logs / "prefill-graph", disable_prefill_cuda_graph=False,
                      cuda_graph_backend_prefill="breakable"))
     assert graph["passes"][0]["output_ids"] == eager["passes"][0]["output_ids"]
+
+
+def test_mixed_chunk_tokens_are_flashinfers_argmax(flashinfer_scored, logs):
+    # --enable-mixed-chunk: the prompts arrive together and fill several 1,024-token prefill chunks, so the later
+    # chunks carry the first prompts' decode steps (ForwardMode.MIXED, the extend path's 1-token rows). Scored as
+    # test_bf16_tokens_are_flashinfers_argmax scores the plain server's tokens, against the same noise.
+    mixed = _ok(_run("mpfa", "bf16", graphs=True, tmp_path=logs / "mixed-chunk", enable_mixed_chunk=True,
+                     chunked_prefill_size=1024))
+    outs = _outputs(mixed)
+    assert [len(o) for o in outs] == [NEW_TOKENS] * len(prompts())
+    scored = _ok(_run("flashinfer", graphs=True, tmp_path=logs / "mixed-chunk", score=_forced(prompts(), outs),
+                      generate=False, disable_radix_cache=True))["scored"]
+    noise = max(g for s in flashinfer_scored["flashinfer"][1] for g in sc.logprob_gaps(s))
+    gaps = [g for s in scored for g in sc.logprob_gaps(s)]
+    assert max(gaps) <= max(noise, 0.05), (max(gaps), noise)
 
 
 def test_unsupported_page_size_is_a_clear_error(logs):
