@@ -146,22 +146,29 @@ def client_row(out_file: Path) -> dict:
     return {**{k: res.get(k) for k in FIELDS}, **itl_stats(res.get("itls") or [])}
 
 
+def _servers(r: dict) -> tuple[int, bool]:
+    """How a row's servers ran: the tensor-parallel size and whether decode steps rode in prefill batches
+    (``--mixed-chunk``). Rows of other servers stand apart: never paired, never replacing each other."""
+    return r.get("tp", 1), bool(r.get("mixed_chunk"))
+
+
 def _load(r: dict) -> tuple:
     """What a row's client sent, to what servers: the rate, the request count, the seed (prompts and arrival
-    times), the tensor-parallel size and whether decode steps rode in prefill batches (``--mixed-chunk``)."""
-    return r["rate"], r.get("prompts"), r.get("seed"), r.get("tp", 1), bool(r.get("mixed_chunk"))
+    times) and ``_servers``."""
+    return r["rate"], r.get("prompts"), r.get("seed"), *_servers(r)
 
 
 def _is_default_serving(r: dict) -> bool:
     """A row of one GPU without ``--mixed-chunk``: the rates list and the plot are theirs."""
-    return r.get("tp", 1) == 1 and not r.get("mixed_chunk")
+    return _servers(r) == (1, False)
 
 
 def _rate_key(r: dict) -> str:
     """A summary dict's key for a row: its rate, ``tp<N>/<rate>`` on more than one GPU, ``mixed/`` before either
     with ``--mixed-chunk``."""
-    key = str(r["rate"]) if r.get("tp", 1) == 1 else f"tp{r['tp']}/{r['rate']}"
-    return f"mixed/{key}" if r.get("mixed_chunk") else key
+    tp, mixed = _servers(r)
+    key = str(r["rate"]) if tp == 1 else f"tp{tp}/{r['rate']}"
+    return f"mixed/{key}" if mixed else key
 
 
 def _by_rate(item: tuple[str, float]) -> tuple[str, float]:
@@ -213,8 +220,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def merge(previous: list[dict], new: list[dict]) -> list[dict]:
     """Rows after a run: a (configuration, rate) measured again replaces its earlier row, except a headline row
     that a kept peer's ratio pairs with (``runs.merge``); within a configuration and rate the newest comes last."""
-    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"], r.get("tp", 1), bool(r.get("mixed_chunk"))),
-                        _load, HEADLINE)
+    merged = runs.merge(previous, new, lambda r: (r["config"], r["rate"], *_servers(r)), _load, HEADLINE)
     return sorted(merged, key=lambda r: (CONFIGS.index(r["config"]) if r["config"] in CONFIGS else 99, r["rate"]))
 
 
