@@ -61,8 +61,13 @@ def _case(impl, recipe, batch, context, page_size, spread=False):
             "kind": "kernel", "impl": impl, "recipe": recipe, "batch": batch, "context": context,
             "page_size": page_size, "qo_heads": QO_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM}
     if spread:
-        case.update(lengths="spread", tokens=sum(spread_lengths(batch, context)))
+        case.update(spread_fields(batch, context))
     return case
+
+
+def spread_fields(batch: int, longest: int) -> dict:
+    """The fields that mark a case (of this suite or decode_splits) as a mixed-length batch."""
+    return {"lengths": "spread", "tokens": sum(spread_lengths(batch, longest))}
 
 
 def spread_lengths(batch: int, longest: int) -> list[int]:

@@ -57,7 +57,7 @@ def _case(recipe, batch, context, plan, splits=None, *, size=None, spread=False)
     if size:
         case["forced_split_size"] = size
     if spread:
-        case.update(lengths="spread", tokens=sum(_decode.spread_lengths(batch, context)))
+        case.update(_decode.spread_fields(batch, context))
     return case
 
 
