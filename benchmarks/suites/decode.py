@@ -135,13 +135,13 @@ def _fill_mpfa(cache, gen):
         mpfa.append_kv(k[:n], v[:n], layer, torch.arange(start, start + n, device="cuda"))
 
 
-def server_splits(recipe: str, batch: int, context: int, page_size: int) -> dict:
-    """The plan arguments of the SGLang backend's decode (server_decode_splits for a 128K-context server) for
-    a batch of ``batch`` requests of ``context`` tokens on this GPU."""
+def server_splits(recipe: str, lengths: list[int], page_size: int) -> dict:
+    """The plan arguments of the SGLang backend's decode (server_decode_splits for a 128K-context server, given
+    the requests' lengths as the backend gives them) for requests of ``lengths`` tokens on this GPU."""
     import torch
     from mpfa.decode import resident_ctas, server_decode_splits
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    size, n = server_decode_splits(KV_HEADS, batch, context, SERVER_CONTEXT, sms,
+    size, n = server_decode_splits(KV_HEADS, len(lengths), max(lengths), SERVER_CONTEXT, sms, lengths=lengths,
                                    resident_ctas=resident_ctas(recipe, HEAD_DIM, page_size, QO_HEADS // KV_HEADS, 0))
     return dict(num_splits=n, fixed_split_size=size)
 
@@ -172,7 +172,7 @@ def _mpfa(case, ctx, gen):
     lengths = case_lengths(case)
     cache, (indptr, indices, last), q = mpfa_inputs(case["recipe"], lengths, p, gen)
     w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    splits = server_splits(case["recipe"], b, c, p) if case["impl"] == "mpfa-graph" else {}
+    splits = server_splits(case["recipe"], lengths, p) if case["impl"] == "mpfa-graph" else {}
     w.plan(indptr, indices, last, QO_HEADS, KV_HEADS, HEAD_DIM, p, recipe=case["recipe"], **splits)
     out = torch.empty_like(q)
     layer = cache.layer(0)

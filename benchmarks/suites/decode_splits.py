@@ -106,7 +106,7 @@ def run_case(case: dict, ctx) -> dict:
     b, c, r = case["batch"], case["context"], case["recipe"]
     splits = ({"num_splits": case["forced_splits"]} if case["plan"] == "forced" else
               {"fixed_split_size": case["forced_split_size"]} if case["plan"] == "size" else
-              _decode.server_splits(r, b, c, PAGE) if case["plan"] == "server" else {})
+              _decode.server_splits(r, _decode.case_lengths(case), PAGE) if case["plan"] == "server" else {})
     w = mpfa.BatchDecodeWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     w.plan(indptr, indices, last, _decode.QO_HEADS, _decode.KV_HEADS, _decode.HEAD_DIM, PAGE, recipe=r, **splits)
     out = torch.empty_like(q)
@@ -138,13 +138,15 @@ def readme_rows(rows: list[dict]) -> list[dict]:
             or r["plan"] not in ("forced", "size") or id(r) in best]
 
 
-def rule_replay(recipe: str, batch: int, context: int, group: list[dict]) -> dict[str, int]:
+def rule_replay(recipe: str, batch: int, context: int, group: list[dict], spread: bool = False) -> dict[str, int]:
     """What this checkout's rules give a shape whose longest request has ``context`` tokens: the adaptive
     plan's split count (``choose_num_splits``), and the SGLang backend's split size (``server_decode_splits``)
-    with the count it cuts the longest request into (the rest of its grid, past the last split, exits at once)."""
+    with the count it cuts the longest request into (the rest of its grid, past the last split, exits at once);
+    ``spread``: the batch's lengths are the decode suite's ``spread_lengths`` (else all ``context``)."""
     from mpfa.decode import TILE, choose_num_splits, server_decode_splits
     sms, resident = group[0]["num_sms"], group[0]["resident_ctas"]
-    size, _ = server_decode_splits(_decode.KV_HEADS, batch, context, _decode.SERVER_CONTEXT, sms, resident_ctas=resident)
+    size, _ = server_decode_splits(_decode.KV_HEADS, batch, context, _decode.SERVER_CONTEXT, sms, resident_ctas=resident,
+                                   lengths=_decode.spread_lengths(batch, context) if spread else [context] * batch)
     tiles, per = -(-context // TILE), size // TILE
     return {"adaptive": choose_num_splits(batch, _decode.KV_HEADS, context, sms, resident_ctas=resident),
             "server": -(-tiles // per), "server_size": size}
@@ -183,7 +185,7 @@ def summarize(rows: list[dict]) -> dict:
             if mine:
                 entry[f"{plan}_splits"] = mine["num_splits"]
                 entry[f"{plan}_over_best"] = mine["ms"] / best["ms"]
-        _replayed(entry, rule_replay(recipe, b, c, group), group, best, spread)
+        _replayed(entry, rule_replay(recipe, b, c, group, spread), group, best, spread)
         shapes[f"{recipe}/{b}x{c}" + ("/spread" if spread else "")] = entry
     out = {"by_shape": shapes}
     one = [e for k, e in shapes.items() if not k.endswith("/spread")]

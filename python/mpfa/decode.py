@@ -10,11 +10,13 @@ qk4pv4 stores V rotated (V H): its kernel writes O_rot into a scratch tensor and
 
 Kernel path (sm_90a, templates/decode.cu.jinja): split-KV with a merge kernel. ``plan`` validates,
 chooses the number of KV splits (adaptive: whole waves of the CTAs an SM holds, each split at least
-``MIN_TOKENS_PER_SPLIT`` tokens), copies the page table into capture-stable int32 buffers and
-builds/loads the kernel. ``run`` only launches: the grid is fixed by the plan and the kernel reads
-lengths and pages from those buffers, so a CUDA graph captured around ``run`` replays correctly
-after ``plan`` is called again (same batch size, same ``num_splits``, no more pages than the first
-plan's capacity) with new lengths: plan reuses the same buffers and workspace.
+``MIN_TOKENS_PER_SPLIT`` tokens), builds the work list (``split_counts``, ``work_list``: each request's
+splits, so a short request takes one CTA per KV head and a long one several), copies it and the page
+table into capture-stable int32 buffers and builds/loads the kernel. ``run`` only launches: the grid
+(work items x KV heads) is fixed by the plan and the kernel reads lengths, pages and the work list from
+those buffers, so a CUDA graph captured around ``run`` replays correctly after ``plan`` is called again
+(same batch size, same ``num_splits``, no more pages than the first plan's capacity) with new lengths:
+plan reuses the same buffers and workspace.
 
 ``fixed_split_size`` (tokens, a multiple of ``TILE``; FlashInfer's name for the same knob) makes the
 partition batch-invariant: every request is cut into splits of that size whatever the grid, so its
@@ -25,8 +27,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,20 +110,59 @@ def fixed_split_policy(num_kv_heads: int, max_kv_len: int, num_sms: int, batch_s
     return per * TILE, -(-tiles // per)
 
 
+# A batch counts as mixed below this share of ``requests x longest`` tokens: one of a single length keeps the wave
+# rule's size, measured on the e2e batches (decode_splits_h200.json).
+MIXED_BELOW = 0.75
+
+
+def mixed_split_size(lengths: Sequence[int], budget: int) -> int | None:
+    """The smallest split size (a multiple of TILE; at least MIN_TOKENS_PER_SPLIT, or one split of the longest
+    request when that is shorter) that cuts requests of ``lengths`` tokens into at most ``budget`` work items
+    (``sum(ceil(length / size))``); None when one item per request is already more."""
+    tiles = [max(1, -(-int(n) // TILE)) for n in lengths]
+    if not tiles or len(tiles) > budget:
+        return None
+    lo, hi = max(1, MIN_TOKENS_PER_SPLIT // TILE), max(tiles)   # in tiles; hi always fits (one item each)
+    lo = min(lo, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(-(-t // mid) for t in tiles) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * TILE
+
+
 def server_decode_splits(num_kv_heads: int, batch_size: int, longest: int, max_context_len: int,
-                         num_sms: int, *, resident_ctas: int | None = None) -> tuple[int, int]:
+                         num_sms: int, *, resident_ctas: int | None = None,
+                         lengths: Sequence[int] | None = None) -> tuple[int, int]:
     """``(fixed_split_size, num_splits)`` for a server's decode step, eager or CUDA-graph replay: the split
     size ``fixed_split_policy`` gives this batch's ``longest`` request, the grid it gives the longest
-    context the server admits (what a graph captured once must cover). Both depend on the batch only
-    through its size bucket and its longest request, so the eager run and the graph replay of a batch
-    cut every request the same way (bit-identical outputs), and a short batch is cut as finely as the
-    adaptive plan would cut it, not as a 128K-context batch (that was 1.9x slower at 32 x 32K)."""
+    context the server admits (the splits per request a graph captured once must hold: its capacity is
+    ``batch x num_splits`` work items). Both depend on the batch only through its size bucket, its longest
+    request and ``lengths``, so the eager run and the graph replay of a batch cut every request the same way
+    (bit-identical outputs), and a short batch is cut as finely as the adaptive plan would cut it, not as a
+    128K-context batch (that was 1.9x slower at 32 x 32K).
+
+    ``lengths``: the KV lengths of the batch's real requests (a graph's padding rows left out). A batch of
+    mixed lengths, under MIXED_BELOW of ``requests x longest`` tokens, takes ``mixed_split_size`` when that is
+    smaller, with a budget of one wave of resident CTAs per KV head (within the graph's capacity): the work
+    list gives each request only the CTAs its tokens need, so sized from the longest alone, 32 requests of
+    2K-64K got 32K-token splits, 1-2 CTAs per request in a wave of 528 slots and the long ones finishing
+    alone (0.84 ms vs 0.53 at the best size, qk4pv8 on the H200)."""
     longest = max(1, int(longest))
     size, _ = fixed_split_policy(num_kv_heads, longest, num_sms, batch_size, resident_ctas=resident_ctas)
     _, grid = fixed_split_policy(num_kv_heads, max_context_len, num_sms, batch_size, resident_ctas=resident_ctas)
     # The grid's ceil-division can leave it a split or two short of the adaptive count for a shorter
     # batch: grow the size so the grid always covers the longest request (no remainder-laden last split).
-    return max(size, -(-longest // (grid * TILE)) * TILE), grid
+    size = max(size, -(-longest // (grid * TILE)) * TILE)
+    if lengths and sum(lengths) < MIXED_BELOW * len(lengths) * max(lengths):
+        # The requests' items, not each request's, must fit the graph's capacity: the longest may take more
+        # than num_splits of them when the short ones take fewer.
+        wave = num_sms * max(1, resident_ctas or 2) // num_kv_heads
+        mixed = mixed_split_size(lengths, min(len(lengths) * grid, wave))
+        size = min(size, mixed) if mixed else size
+    return size, grid
 
 
 def _check_split_size(fixed_split_size) -> None:
@@ -130,11 +172,45 @@ def _check_split_size(fixed_split_size) -> None:
                          f"got {fixed_split_size!r}")
 
 
-def workspace_bytes(num_splits: int, batch_size: int, num_qo_heads: int, head_dim: int) -> int:
-    """Bytes of workspace the kernel path needs: fp32 partial O and LSE per split (none unsplit)."""
-    if num_splits <= 1:
+def split_counts(kv_lengths: Sequence[int] | None, batch_size: int, num_splits: int, tiles_per_split: int) -> list[int]:
+    """Each request's work items (KV splits), at least 1: ``ceil(tiles / tiles_per_split)`` for a fixed split
+    size, else the splits of ``ceil(tiles / num_splits)`` tiles that hold its tiles (the kernel's split size for
+    that count is the same, and no item is left empty). Without host lengths, ``num_splits`` each: a list right
+    for any lengths (the items past a request's tiles are empty, the last takes any remainder)."""
+    if kv_lengths is None:
+        return [num_splits] * batch_size
+    counts = []
+    for n in kv_lengths:
+        tiles = -(-int(n) // TILE)
+        per = tiles_per_split or max(1, -(-tiles // num_splits))
+        counts.append(max(1, -(-tiles // per)))
+    return counts
+
+
+def work_list(counts: Sequence[int], capacity: int) -> torch.Tensor:
+    """The kernel's work list (params.cuh) as one host int32 tensor: ``work_indptr`` [batch + 1] (request b owns
+    items ``[indptr[b], indptr[b + 1])``, its splits in order), then ``work_request`` [capacity] (each item's
+    request, -1 past the last item: those CTAs exit at once). ``capacity`` >= the batch size. Counts that do
+    not fit are cut to the largest cap that does (the longest requests' last items take the remainders, correct
+    but not the same sums as the uncut list: the server's rule never needs the cut)."""
+    if sum(counts) > capacity:
+        lo, hi = 1, max(counts)   # the largest cap c with sum(min(count, c)) <= capacity; 1 always fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sum(min(c, mid) for c in counts) <= capacity else (lo, mid - 1)
+        counts = [min(c, lo) for c in counts]
+    total = sum(counts)
+    indptr = [0, *itertools.accumulate(counts)]
+    request = [b for b, c in enumerate(counts) for _ in range(c)] + [-1] * (capacity - total)
+    return torch.tensor(indptr + request, dtype=torch.int32)
+
+
+def workspace_bytes(capacity: int, batch_size: int, num_qo_heads: int, head_dim: int) -> int:
+    """Bytes of workspace the kernel path needs for a grid of ``capacity`` work items: fp32 partial O and LSE per
+    item (none when every request is one item: its CTA writes the output)."""
+    if capacity <= batch_size:
         return 0
-    return num_splits * batch_size * num_qo_heads * (head_dim + 1) * 4
+    return capacity * num_qo_heads * (head_dim + 1) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,29 +248,34 @@ def score_scale(sm_scale: float) -> float:
 
 @dataclass
 class _PageTable:
-    """Capture-stable int32 copies of the page table the kernel reads (the kernel path): a CUDA graph
-    captured around ``run`` keeps their addresses, and ``plan`` / ``update_page_table`` refill them."""
+    """Capture-stable int32 copies of the page table and the work list the kernel reads (the kernel path): a
+    CUDA graph captured around ``run`` keeps their addresses, and ``plan`` / ``update_page_table`` refill them."""
     batch: int
     indptr: torch.Tensor
     indices: torch.Tensor
     last_page_len: torch.Tensor
-    tiles_per_split: torch.Tensor   # one int: > 0 a fixed split size in tiles, 0 ceil(tiles / num_splits)
+    tiles_per_split: torch.Tensor   # one int: > 0 a fixed split size in tiles, 0 ceil(tiles / the request's items)
+    work: torch.Tensor              # ``work_list``: work_indptr [batch + 1], then work_request
 
     @classmethod
-    def allocate(cls, batch: int, num_indices: int, device: torch.device) -> "_PageTable":
+    def allocate(cls, batch: int, num_indices: int, capacity: int, device: torch.device) -> "_PageTable":
         return cls(batch, torch.empty(batch + 1, dtype=torch.int32, device=device),
                    torch.zeros(max(1, num_indices), dtype=torch.int32, device=device),
                    torch.empty(batch, dtype=torch.int32, device=device),
-                   torch.zeros(1, dtype=torch.int32, device=device))
+                   torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.empty(batch + 1 + capacity, dtype=torch.int32, device=device))
 
-    def fits(self, batch: int, num_indices: int, device: torch.device) -> bool:
-        return self.batch == batch and self.indices.numel() >= max(1, num_indices) and self.indices.device == device
+    def fits(self, batch: int, num_indices: int, capacity: int, device: torch.device) -> bool:
+        return (self.batch == batch and self.indices.numel() >= max(1, num_indices)
+                and self.work.numel() >= batch + 1 + capacity and self.indices.device == device)
 
-    def copy_from(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
-        """Copies on the current stream, no host synchronization."""
+    def copy_from(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                  work: torch.Tensor) -> None:
+        """Copies on the current stream, no host synchronization (``work``: a host tensor)."""
         self.indptr.copy_(indptr, non_blocking=True)
         self.indices[: indices.numel()].copy_(indices, non_blocking=True)
         self.last_page_len.copy_(last_page_len, non_blocking=True)
+        self.work[: work.numel()].copy_(work, non_blocking=True)
 
 
 @dataclass
@@ -207,7 +288,9 @@ class DecodePlan:
     page_size: int
     recipe: Recipe
     sm_scale: float
-    num_splits: int | None = None
+    num_splits: int | None = None           # the most work items (splits) a request takes
+    capacity: int | None = None             # the grid's work items
+    tiles_per_split: int = 0                # the fixed split size in tiles, 0 for none
     device_index: int | None = None
     launch: Callable | None = None          # the library's mpfa_decode (``_kernel``)
     # The kernel's arguments with the plan's fields (page table, grid, split size, workspace) set; each
@@ -228,11 +311,11 @@ class BatchDecodeWrapper:
              head_dim: int, page_size: int, *, sm_scale: float | None = None, recipe: str = "qk4pv8",
              num_splits: int | None = None, fixed_split_size: int | None = None) -> None:
         """Host-side scheduling for one batch (may synchronize). ``num_splits=None`` chooses the KV
-        split count adaptively; pass a fixed value to keep it across plans (CUDA graphs).
-        ``fixed_split_size``: cut each request into splits of this many tokens (a multiple of 64); the
-        grid is then ``num_splits`` (a fixed grid for CUDA graphs; requests longer than
-        ``num_splits * fixed_split_size`` give the remainder to the last split) or, when None, just
-        enough splits for this batch's longest request."""
+        split count adaptively and launches just the work items this batch needs; pass a fixed value to keep
+        the grid (``batch x num_splits`` work items, the items past this batch's at its end) across plans (CUDA
+        graphs). ``fixed_split_size``: cut each request into splits of this many tokens (a multiple of 64), at
+        most ``num_splits`` of them (requests longer than ``num_splits * fixed_split_size`` give the remainder
+        to the last split; when None, just enough splits for this batch's longest request)."""
         recipe_ = check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe)
         paged = check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
@@ -257,37 +340,47 @@ class BatchDecodeWrapper:
                               else choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index),
                                                      resident_ctas=resident_ctas(recipe_.name, head_dim, page_size,
                                                                                  group, dev_index)))
-            need = workspace_bytes(num_splits, batch, num_qo_heads, head_dim)
+                capacity = None
+            else:
+                capacity = batch * num_splits
+            counts = split_counts(paged.kv_lengths, batch, num_splits, tiles_per_split)
+            capacity = capacity or sum(counts)
+            need = workspace_bytes(capacity, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
-                            f"head_dim {head_dim}, {num_splits} KV splits")
+                            f"head_dim {head_dim}, {capacity} work items")
             n_idx = paged_kv_indices.numel()
             buf = self._buffers
-            if buf is None or not buf.fits(batch, n_idx, device):
-                buf = self._buffers = _PageTable.allocate(batch, n_idx, device)
+            if buf is None or not buf.fits(batch, n_idx, capacity, device):
+                buf = self._buffers = _PageTable.allocate(batch, n_idx, capacity, device)
             buf.tiles_per_split.fill_(tiles_per_split)
-            buf.copy_from(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-            # Workspace: fp32 partial O [splits, batch, Hq, D], then their log2 LSE [splits, batch, Hq].
+            buf.copy_from(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, work_list(counts, capacity))
+            # Workspace: fp32 partial O [items, Hq, D], then their log2 LSE [items, Hq].
             ws = self.workspace_buffer.data_ptr()
-            o_part_bytes = num_splits * batch * num_qo_heads * head_dim * 4
+            o_part_bytes = capacity * num_qo_heads * head_dim * 4
             plan.params = decode_op.DecodeParams(
                 indptr=buf.indptr.data_ptr(), indices=buf.indices.data_ptr(),
-                last_page_len=buf.last_page_len.data_ptr(), num_kv_heads=num_kv_heads, num_splits=num_splits,
-                batch=batch, tiles_per_split=buf.tiles_per_split.data_ptr(), score_scale=score_scale(sm_scale),
+                last_page_len=buf.last_page_len.data_ptr(), num_kv_heads=num_kv_heads, num_items=capacity,
+                batch=batch, work_indptr=buf.work.data_ptr(), work_request=buf.work[batch + 1:].data_ptr(),
+                tiles_per_split=buf.tiles_per_split.data_ptr(), score_scale=score_scale(sm_scale),
                 o_part=ws if need else None, lse_part=ws + o_part_bytes if need else None)
-            plan.num_splits, plan.device_index, plan.launch = num_splits, dev_index, launch
+            plan.num_splits, plan.capacity, plan.tiles_per_split = num_splits, capacity, tiles_per_split
+            plan.device_index, plan.launch = dev_index, launch
         self._plan = plan
 
     def update_page_table(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *,
-                          fixed_split_size: int | None = None) -> None:
+                          fixed_split_size: int | None = None, kv_lengths: Sequence[int] | None = None) -> None:
         """Refresh the planned batch's page table without synchronizing the host (CUDA-graph decode).
 
         Same batch size as the last ``plan``; the tables are device tensors (e.g. built on the GPU from a
         server's slot table) and are copied into the buffers the kernel reads, on the current stream.
         Only their shapes are checked: the values are trusted, as validating them would read them back.
         ``fixed_split_size`` (a multiple of 64) changes the split size the kernel reads from device memory,
-        so a captured graph (its grid stays ``num_splits``) cuts this batch as a plan for its lengths would;
-        None keeps the current one. On the reference backend this plans again (the reference reads
-        host-validated tables).
+        so a captured graph (its grid stays the plan's work items) cuts this batch as a plan for its lengths
+        would; None keeps the current one. ``kv_lengths``: the requests' lengths on the host (the server
+        knows them), from which the work list gives each request the splits its tokens need, as ``plan``
+        does; None gives every request ``num_splits`` items (right for any lengths, on a grid planned with
+        ``num_splits``). On the reference backend this plans again (the reference reads host-validated
+        tables).
         """
         if self._plan is None:
             raise RuntimeError("BatchDecodeWrapper.update_page_table called before plan")
@@ -307,9 +400,13 @@ class BatchDecodeWrapper:
         if paged_kv_indices.numel() > buf.indices.numel():
             raise ValueError(f"paged_kv_indices has {paged_kv_indices.numel()} entries; the plan's buffer holds "
                              f"{buf.indices.numel()}: plan again with the larger table")
-        buf.copy_from(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-        if fixed_split_size is not None:
-            buf.tiles_per_split.fill_(fixed_split_size // TILE)
+        if kv_lengths is not None and len(kv_lengths) != batch:
+            raise ValueError(f"kv_lengths has {len(kv_lengths)} entries; the plan's batch is {batch}")
+        tiles = p.tiles_per_split if fixed_split_size is None else fixed_split_size // TILE
+        work = work_list(split_counts(kv_lengths, batch, p.num_splits, tiles), p.capacity)
+        buf.copy_from(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, work)
+        buf.tiles_per_split.fill_(tiles)
+        p.tiles_per_split = tiles
 
     @property
     def num_splits(self) -> int | None:

@@ -1,6 +1,7 @@
 """The decode kernel's host side without a GPU: the split heuristic, workspace sizing, specs, and
 nvcc builds of the decode template for sm_90a (SASS: tensor-core MMAs, cp.async, nothing spilled)."""
 import ctypes
+import itertools
 import math
 import subprocess
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 import mpfa_jit
-from mpfa.decode import (FILL, MIN_TOKENS_PER_SPLIT, TILE, BatchDecodeWrapper, choose_num_splits, fixed_num_splits,
-                         fixed_split_policy, server_decode_splits, split_bucket, wave_efficiency, workspace_bytes)
+from mpfa.decode import (FILL, MIN_TOKENS_PER_SPLIT, MIXED_BELOW, TILE, BatchDecodeWrapper, choose_num_splits,
+                         fixed_num_splits, fixed_split_policy, mixed_split_size, server_decode_splits, split_bucket,
+                         split_counts, wave_efficiency, work_list, workspace_bytes)
 from mpfa_jit import UnknownKernelError
 from mpfa_jit.ops import decode as decode_op
 
@@ -53,8 +55,71 @@ def test_split_heuristic_issue_shape():
 
 
 def test_workspace_bytes():
-    assert workspace_bytes(1, 32, 32, 128) == 0
-    assert workspace_bytes(4, 32, 32, 128) == 4 * 32 * 32 * 129 * 4
+    assert workspace_bytes(32, 32, 32, 128) == 0                       # one item per request: no partials
+    assert workspace_bytes(4 * 32, 32, 32, 128) == 4 * 32 * 32 * 129 * 4   # as many bytes as 4 splits of each
+    assert workspace_bytes(33, 32, 32, 128) == 33 * 32 * 129 * 4
+
+
+def _kernel_items(counts, work, tiles_per_split, kv_lengths):
+    """The kernel's reading of a work list (schedule.cuh): for each item, None past the list's end, else
+    (request, split, count, tile range)."""
+    batch = len(kv_lengths)
+    indptr, request = work[: batch + 1].tolist(), work[batch + 1:].tolist()
+    out = []
+    for item, b in enumerate(request):
+        if b < 0:
+            out.append(None)
+            continue
+        split, count = item - indptr[b], indptr[b + 1] - indptr[b]
+        tiles = -(-kv_lengths[b] // TILE)
+        per = tiles_per_split or -(-tiles // count)
+        begin = split * per
+        end = tiles if split == count - 1 else min(tiles, begin + per)
+        out.append((b, split, count, (begin, max(begin, end))))
+    return out
+
+
+@pytest.mark.parametrize("tiles_per_split", [0, 1, 4, 64])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_work_list_covers_every_request_once_in_order(tiles_per_split, num_splits):
+    lengths = [0, 1, 63, 64, 65, 1000, 4097, 64 * 37 + 5, 131072]
+    for kv in (lengths, None):
+        counts = split_counts(kv, len(lengths), num_splits, tiles_per_split)
+        assert min(counts) >= 1 and (kv is not None or counts == [num_splits] * len(lengths))
+        for capacity in sorted({sum(counts), sum(counts) + 5, len(lengths) * num_splits, len(lengths)}):
+            work = work_list(counts, capacity)
+            assert work.dtype == torch.int32 and work.numel() == len(lengths) + 1 + capacity
+            items = _kernel_items(counts, work, tiles_per_split, lengths)
+            live = [it for it in items if it is not None]
+            assert all(it is None for it in items[len(live):]), "empty items only at the tail"
+            assert len(live) <= capacity and [it[0] for it in live] == sorted(it[0] for it in live)
+            for b, n in enumerate(lengths):
+                mine = [it for it in live if it[0] == b]
+                assert [it[1] for it in mine] == list(range(len(mine))) and mine, "every request, its splits in order"
+                ranges = [it[3] for it in mine if it[3][1] > it[3][0]]
+                tiles = -(-n // TILE)
+                assert [t for r in ranges for t in range(*r)] == list(range(tiles)), "every tile exactly once"
+                if sum(counts) <= capacity:
+                    assert len(mine) == counts[b]
+                    if kv is not None and tiles:
+                        assert len(ranges) == len(mine), "no empty item when the list knows the lengths"
+                    if tiles_per_split and kv is not None:   # the fixed size cuts alike whatever the capacity
+                        assert all(e - s == tiles_per_split for s, e in ranges[:-1])
+
+
+def test_split_counts_match_the_uniform_grid_partition():
+    # adaptive: a request's count gives the kernel the split size ceil(tiles / num_splits) of a uniform grid,
+    # without its empty splits
+    for n in (1, 64, 65, 320, 321, 4097, 131072):
+        for splits in (1, 2, 3, 7, 64):
+            tiles = -(-n // TILE)
+            (count,) = split_counts([n], 1, splits, 0)
+            assert -(-tiles // count) == -(-tiles // splits) and count <= splits
+            assert [r for r in _kernel_split_ranges(n, splits) if r[1] > r[0]] == \
+                [it[3] for it in _kernel_items([count], work_list([count], count), 0, [n])]
+    assert split_counts([1, 4096, 4097], 3, 2, 64 // 64 * 8) == [1, 8, 9]          # fixed: no cap per request
+    # more items than the capacity: the longest requests are cut to the largest cap that fits
+    assert work_list([1, 3, 9, 2], 8)[:5].tolist() == [0, 1, 3, 5, 7]
 
 
 def test_specs_and_unsupported_shapes():
@@ -294,13 +359,13 @@ def test_mixed_length_batches_in_the_decode_suites():
              "num_splits": splits, "ms": ms, "forced_splits": splits if plan == "forced" else None,
              "resident_ctas": 4, "num_sms": 132, "lengths": "spread"}
         return {**r, "forced_split_size": size} if size else r
-    # The server's rule cuts this batch into 32K-token splits (2 for the longest); a size row at 32K times it.
-    rows = [row("adaptive", 2, 1.3), row("server", 4, 1.2), row("forced", 2, 1.3), row("forced", 4, 1.1),
-            row("size", 8, 1.0, 8192), row("size", 2, 1.25, 32768)]
+    # The server's rule cuts this batch into 22,528-token splits (3 for the longest); a size row there times it.
+    rows = [row("adaptive", 2, 1.3), row("server", 3, 1.2), row("forced", 2, 1.3), row("forced", 4, 1.1),
+            row("size", 8, 1.0, 8192), row("size", 2, 1.25, 32768), row("size", 3, 1.05, 22528)]
     summary = ds.summarize(rows)
     s = summary["by_shape"]["qk4pv8/32x65536/spread"]
     assert s["best_split_size"] == 8192 and s["best_ms"] == 1.0 and s["server_over_best"] == pytest.approx(1.2)
-    assert (s["rule_server_splits"], s["rule_server_over_best"]) == (2, pytest.approx(1.25))  # the size row
+    assert (s["rule_server_splits"], s["rule_server_over_best"]) == (3, pytest.approx(1.05))  # the size row
     assert (s["rule_adaptive_splits"], s["rule_adaptive_over_best"]) == (2, pytest.approx(1.3))
     assert summary["spread_server_over_best_worst"] == pytest.approx(1.2)
     assert summary["server_over_best_worst"] is None                     # no one-length shape in these rows
@@ -319,3 +384,81 @@ def test_mixed_length_batches_in_the_decode_suites():
     # a run of the mixed-length cases alone (benchmarks.run --cases spread) still summarizes
     whole = suite.summarize([drow("mpfa-graph", "qk4pv8", 0.6), drow("flashinfer", "fi-fp8", 0.75)])
     assert whole["min_hbm_fraction"] is None and whole["spread"]["32x65536"]["ms"]["mpfa-graph qk4pv8"] == 0.6
+
+
+def _items(lengths, size):
+    return sum(max(1, -(-n // size)) for n in lengths)
+
+
+def test_server_splits_of_a_mixed_length_batch_come_from_its_lengths():
+    from benchmarks.suites.decode import spread_lengths
+    for heads, resident in ((8, 4), (8, 2), (2, 4), (32, 1)):
+        wave = 132 * resident // heads
+        for batch, longest in ((32, 65536), (16, 131072), (3, 40000), (48, 65536), (8, 131072), (100, 20000)):
+            lengths = spread_lengths(batch, longest)
+            one = server_decode_splits(heads, batch, longest, 131072, 132, resident_ctas=resident)
+            size, grid = server_decode_splits(heads, batch, longest, 131072, 132, resident_ctas=resident,
+                                              lengths=lengths)
+            assert grid == one[1], "the grid must not depend on the batch's lengths (a graph is captured once)"
+            assert size <= one[0] and size % TILE == 0
+            budget = min(batch * grid, wave)
+            if size < one[0]:
+                assert _items(lengths, size) <= budget, "within the graph's capacity and one wave"
+                smaller = size - TILE
+                assert smaller < MIN_TOKENS_PER_SPLIT or _items(lengths, smaller) > budget, "the smallest that fits"
+            # the graph (padded to the bucket with length-1 rows) holds the batch's work items
+            bucket = split_bucket(batch)
+            assert _items(lengths, size) + (bucket - batch) <= bucket * grid
+            # eager (the real batch) and its graph replay (padded to the bucket) cut alike
+            assert server_decode_splits(heads, bucket, longest, 131072, 132, resident_ctas=resident,
+                                        lengths=lengths) == (size, grid)
+    # 32 x 2K-64K (Llama-8B, qk4pv8): 22,528-token splits, 63 items of the graph's 64 (528 CTAs of one wave hold
+    # 66 per KV head), where sizing from the longest gave 32K (48 items, the long ones finishing alone)
+    spread = spread_lengths(32, 65536)
+    assert server_decode_splits(8, 32, 65536, 131072, 132, resident_ctas=4, lengths=spread) == (22528, 2)
+    assert _items(spread, 22528) == 63 and _items(spread, 32768) == 48
+    # just under MIXED_BELOW of requests x longest is mixed, just over it is not
+    short = int((MIXED_BELOW * 8 * 131072 - 131072) / 7) - 64
+    mixed, even = [131072] + [short] * 7, [131072] + [short + 128] * 7
+    assert sum(mixed) < MIXED_BELOW * 8 * 131072 <= sum(even)
+    plain = server_decode_splits(8, 8, 131072, 131072, 132, resident_ctas=4)
+    assert server_decode_splits(8, 8, 131072, 131072, 132, resident_ctas=4, lengths=mixed)[0] < plain[0]
+    assert server_decode_splits(8, 8, 131072, 131072, 132, resident_ctas=4, lengths=even) == plain
+    assert mixed_split_size([4096] * 67, 66) is None   # one split each is more than the budget
+    assert mixed_split_size([2000, 30], 66) == 256     # never under MIN_TOKENS_PER_SPLIT
+    assert mixed_split_size([100, 30], 66) == 128      # unless one split holds the longest
+    assert mixed_split_size([], 66) is None
+
+
+@pytest.mark.parametrize("heads,resident", [(8, 4), (8, 2), (1, 4), (4, 3), (32, 1)])
+def test_one_length_batches_keep_their_split_size(heads, resident):
+    """A batch of one length keeps the wave rule's size and grid (the graph launches the CTAs it did before the
+    work list: batch x grid, the items past each request's splits at the tail)."""
+    for batch in (1, 2, 3, 8, 14, 32, 55, 128, 256):
+        for n in (2, 100, 4096, 32768, 65536, 131072):
+            plain = server_decode_splits(heads, batch, n, 131072, 132, resident_ctas=resident)
+            assert server_decode_splits(heads, batch, n, 131072, 132, resident_ctas=resident,
+                                        lengths=[n] * batch) == plain
+            size, grid = plain
+            assert fixed_num_splits(n, size) <= grid   # every request in its own row of the grid, as before
+
+
+def test_graph_capacity_covers_every_batch():
+    """Random batches of a server (lengths 2 .. 128K, a graph padded to the bucket with length-1 rows): the
+    rule's items fit the graph's capacity, uncut, so the replay's work list is the eager plan's."""
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        batch = rng.randint(1, 256)
+        top = rng.choice((4096, 32768, 131072))
+        lengths = [rng.randint(2, top) for _ in range(batch)]
+        heads, resident = rng.choice(((8, 4), (8, 2), (2, 4), (32, 1), (4, 2)))
+        size, grid = server_decode_splits(heads, batch, max(lengths), 131072, 132, resident_ctas=resident,
+                                          lengths=lengths)
+        bucket = split_bucket(batch)
+        padded = lengths + [1] * (bucket - batch)
+        counts = split_counts(padded, bucket, grid, size // TILE)
+        assert sum(counts) <= bucket * grid
+        assert work_list(counts, bucket * grid)[: bucket + 1].tolist() == [0, *itertools.accumulate(counts)]
+        eager = split_counts(lengths, batch, grid, size // TILE)
+        assert eager == counts[:batch]

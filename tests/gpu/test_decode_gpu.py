@@ -1,7 +1,8 @@
 """The batch-decode kernel on the GPU against the fp64 reference on the dequantized cache, for every
 built recipe, head_dim, page size and group size; ragged lengths, permuted pages, NaN-poisoned
 outputs and NaN-poisoned cache slots past each request's length (the kernel must never read them);
-forced split counts; and CUDA-graph replay while lengths grow."""
+forced split counts; the work list (mixed lengths, one item for a short request and several for a long one);
+and CUDA-graph replay while lengths grow or the batch's composition changes."""
 import itertools
 import zlib
 
@@ -123,8 +124,8 @@ def test_forced_num_splits_agree(recipe, paged_batch, bf16_rows, shared_jit_cach
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fixed_split_size_is_batch_invariant(recipe, paged_batch, bf16_rows, shared_jit_cache):
     """fixed_split_size cuts each request the same way whatever the grid or the batch: outputs are
-    bit-identical between the batch's own grid, a larger fixed grid (a CUDA graph's), a grid too small
-    for the longest request (its remainder goes to the last split: correct, not bit-identical) and each
+    bit-identical between the batch's own grid, a larger fixed grid (a CUDA graph's), a grid of too few
+    splits for the longest request (the work list lends it the items the short ones leave) and each
     request alone; all match the fp64 reference."""
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"fixed-{recipe}".encode()))
     hkv, group, d, p = 2, 4, 128, 16
@@ -147,8 +148,8 @@ def test_fixed_split_size_is_batch_invariant(recipe, paged_batch, bf16_rows, sha
     _check(o_own, lse_own, o_ref, lse_ref, recipe=recipe)
     _, o_big, lse_big = run(40)
     assert torch.equal(o_big, o_own) and torch.equal(lse_big, lse_own)
-    _, o_small, lse_small = run(3)   # 4097 and 2500 tokens need 9 and 5 splits of 512: remainders
-    _check(o_small, lse_small, o_ref, lse_ref, recipe=recipe)
+    _, o_small, lse_small = run(3)   # 4097 and 2500 tokens need 9 and 5 splits of 512: 20 of 21 items
+    assert torch.equal(o_small, o_own) and torch.equal(lse_small, lse_own)
     for b in (2, 3, 6):
         pages = indices[int(indptr[b]):int(indptr[b + 1])]
         ip1 = torch.tensor([0, pages.numel()], dtype=torch.int32, device="cuda")
@@ -218,8 +219,8 @@ def test_large_query_and_empty_request(paged_batch, bf16_rows, shared_jit_cache)
 def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shared_jit_cache):
     """Capture run once; then for 50 steps append a token per request, update the page table in
     place, refresh the wrapper (re-plan with the same num_splits, or update_page_table without a host
-    sync, or that and a new fixed split size each step, as the SGLang backend does) and replay. Each
-    replay equals an eager run of the same grid and split size."""
+    sync, or that with the host lengths and a new fixed split size each step, as the SGLang backend does) and
+    replay. Each replay equals an eager run of the same grid and split size."""
     gen = torch.Generator(device="cuda").manual_seed(17)
     hkv, group, d, p, steps, splits = 2, 4, 128, 16, 50, 3
     start = [1, 15, 16, 63, 300]
@@ -272,8 +273,10 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shar
         q.copy_(bf16_rows(batch, hkv * group, d, gen))
         if refresh == "plan":
             w.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits)
-        else:   # split sizes 64..256 over up to 350 tokens: 3 splits hold it or the last takes a remainder
-            w.update_page_table(indptr, indices, last, fixed_split_size=split_size(step))
+        elif refresh == "update_page_table":   # no host lengths: 3 items each, the eager plan's partition
+            w.update_page_table(indptr, indices, last)
+        else:   # split sizes 64..256 over up to 350 tokens: the host lengths give a request up to 6 of the 15 items
+            w.update_page_table(indptr, indices, last, fixed_split_size=split_size(step), kv_lengths=list(lengths))
         out.fill_(float("nan"))   # each replay must write every element again
         graph.replay()
         eager.plan(indptr, indices, last, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits,
@@ -286,6 +289,96 @@ def test_cuda_graph_replay_with_growing_lengths(recipe, refresh, bf16_rows, shar
         if step % 10 == 9:
             o_ref, lse_ref = _reference(q, layer, indptr, indices, lengths)
             _check(out, lse_g, o_ref, lse_ref, recipe=recipe)
+
+
+# Mixed lengths with partial last pages (page 16): one token, a few tiles, many tiles, a long one.
+_MIXED = [1, 37, 64 * 3 + 5, 1000, 64 * 41 + 9, 129, 5000, 2]
+
+
+def _sub_table(indptr, indices, lengths, page_size):
+    """The page table of the same requests at ``lengths`` (each at most its planned length): its first pages."""
+    pages = [-(-n // page_size) for n in lengths]
+    ids = torch.cat([indices[int(indptr[b]):int(indptr[b]) + k] for b, k in enumerate(pages)]).to(torch.int32)
+    ip = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device="cuda")
+    last = torch.tensor([n - (k - 1) * page_size if k else 0 for n, k in zip(lengths, pages)], dtype=torch.int32,
+                        device="cuda")
+    return ip, ids, last
+
+
+@pytest.mark.parametrize("recipe,head_dim,group", list(itertools.product(RECIPES, (64, 128), (1, 4, 8))))
+def test_work_list_of_mixed_lengths_matches_fp64_reference(recipe, head_dim, group, paged_batch, bf16_rows,
+                                                            shared_jit_cache):
+    """The work list gives a short request one item and a long one several: mixed lengths (one token, partial
+    last pages) under a fixed split size, its own grid or a larger one (a graph's, items at the tail empty), a
+    grid too small for the batch's splits (the work list cuts the longest requests, their last items take the
+    remainders) and the adaptive plan; every element written, each within the reference's tolerance."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"work-{recipe}-{head_dim}-{group}".encode()))
+    hkv, p = 2, 16
+    batch = paged_batch(recipe, head_dim, p, hkv, _MIXED, gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    q = bf16_rows(len(_MIXED), hkv * group, head_dim, gen)
+    o_ref, lse_ref = _reference(q, layer, indptr, indices, _MIXED)
+    ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    for splits, size in ((None, 256), (12, 256), (2, 64), (None, None), (5, None)):
+        w = mpfa.BatchDecodeWrapper(ws)
+        w.plan(indptr, indices, last, hkv * group, hkv, head_dim, p, recipe=recipe, num_splits=splits,
+               fixed_split_size=size)
+        o, lse = w.run(q, layer, out=_poisoned_like(q), return_lse=True)
+        torch.cuda.synchronize()
+        _check(o, lse, o_ref, lse_ref, recipe=recipe)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_graph_replay_of_mixed_batches_is_bit_identical_to_eager(recipe, paged_batch, bf16_rows, shared_jit_cache):
+    """A graph captured once (batch 8, 3 splits per request: 24 work items) replays batches of other
+    compositions (host lengths in update_page_table, a new split size each): each replay equals the eager plan
+    of the same lengths and size (just its items, no num_splits) bit for bit, and the fp64 reference. Padding
+    rows of length 1, a request longer than three splits (it takes items the short ones leave), and one longer
+    than the whole capacity's splits (the work list is cut, its last item takes the remainder: the eager plan,
+    uncut, is then only checked against the reference)."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"graph-work-{recipe}".encode()))
+    hkv, group, d, p, splits = 2, 4, 128, 16, 3
+    batch = paged_batch(recipe, d, p, hkv, [6000] * 8, gen)
+    layer, indptr, indices, last = batch.layer, batch.indptr, batch.indices, batch.last
+    steps = [  # (lengths, fixed split size, the eager plan cuts alike)
+        ([2, 2, 2, 2, 2, 2, 2, 2], 256, True),
+        ([5000, 3, 1, 1, 700, 1, 64, 1], 1024, True),           # 5 items for the longest, padding rows
+        ([1, 6000, 1, 2000, 33, 1, 1, 1], 512, True),
+        ([4000, 4000, 4000, 4000, 100, 1, 1, 1], 256, False),   # 16 x 4 + 4: more than 24 items, cut
+        ([6000, 6000, 6000, 6000, 6000, 6000, 6000, 6000], 2048, True),
+    ]
+    ip, ids, lp = (t.clone() for t in _sub_table(indptr, indices, steps[0][0], p))
+    ids_buf = torch.zeros(indices.numel(), dtype=torch.int32, device="cuda")
+    ids_buf[: ids.numel()].copy_(ids)
+    w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    w.plan(ip, ids_buf, lp, hkv * group, hkv, d, p, recipe=recipe, num_splits=splits, fixed_split_size=steps[0][1])
+    q = bf16_rows(8, hkv * group, d, gen)
+    out = _poisoned_like(q)
+    w.run(q, layer, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse_g = w.run(q, layer, out=out, return_lse=True)
+    eager = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    for lengths, size, alike in steps:
+        sub = _sub_table(indptr, indices, lengths, p)
+        ip.copy_(sub[0])
+        ids_buf.zero_()
+        ids_buf[: sub[1].numel()].copy_(sub[1])
+        lp.copy_(sub[2])
+        q.copy_(bf16_rows(8, hkv * group, d, gen))
+        w.update_page_table(ip, ids_buf, lp, fixed_split_size=size, kv_lengths=lengths)
+        out.fill_(float("nan"))   # each replay must write every element again
+        lse_g.fill_(float("nan"))
+        graph.replay()
+        eager.plan(*sub, hkv * group, hkv, d, p, recipe=recipe, fixed_split_size=size)
+        o_e, lse_e = eager.run(q, layer, out=_poisoned_like(q), return_lse=True)
+        torch.cuda.synchronize()
+        o_ref, lse_ref = _reference(q, layer, *sub[:2], lengths)
+        _check(out, lse_g, o_ref, lse_ref, recipe=recipe)
+        _check(o_e, lse_e, o_ref, lse_ref, recipe=recipe)
+        if alike:
+            assert torch.equal(out, o_e) and torch.equal(lse_g, lse_e), f"{lengths}: replay differs from eager"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

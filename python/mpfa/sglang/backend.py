@@ -13,9 +13,11 @@ wrapper, which copies the new table into the buffers the captured kernels read.
 ``init_forward_metadata_in_graph`` is a no-op.
 
 Decode splits come from ``mpfa.decode.server_decode_splits``: eager decode and the CUDA graph a batch
-replays use the same grid (sized for the server's context length) and cut each request into the same
-fixed-size KV splits (chosen from the batch-size bucket and the batch's longest request; a graph reads
-the size from device memory), so a server gives the same attention outputs with graphs on and off.
+replays cut each request into the same fixed-size KV splits (chosen from the batch-size bucket, the batch's
+longest request and its requests' lengths without a graph's padding rows), one CTA per split and KV head
+through the work list the wrapper builds from the host lengths (a graph, captured with room for every
+request's splits at the server's context length, reads the size and the list from device memory), so a
+server gives the same attention outputs with graphs on and off.
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ class MpfaAttnBackend(AttentionBackend):
         self.decode_wrapper = BatchDecodeWrapper(self.workspace, backend=kb)
         self._active = None            # the wrapper this batch's layers run
         self._graph = None             # CUDA-graph buffers (init_cuda_graph_state)
-        self._graph_decode = {}        # batch size -> (wrapper, num_splits)
+        self._graph_decode = {}        # batch size -> its graphs' wrapper
         self._checked_layers = set()
         logger.info("mpfa backend: recipe %s, compensation %s, page size %d, %d query / %d KV heads, head_dim %d "
                     "(settings from %s)", self.recipe, self.settings.compensation, self.page_size, self.num_qo_heads,
@@ -140,11 +142,13 @@ class MpfaAttnBackend(AttentionBackend):
             raise UnsupportedModelError(f"--attention-backend {BACKEND_NAME} does not support speculative decoding")
         indptr, indices, last = self._page_table(forward_batch)
         if mode.is_decode():
-            split_size, splits = self._decode_splits(forward_batch.batch_size, self._longest(forward_batch))
-            need = decode_workspace_bytes(splits, forward_batch.batch_size, self.num_qo_heads, self.head_dim)
-            self._grow_workspace(self.decode_wrapper, need, f"decode (batch {forward_batch.batch_size})")
+            bs = forward_batch.batch_size
+            split_size, splits = self._decode_splits(bs, *self._lengths(self._host_lengths(forward_batch, bs)))
+            need = decode_workspace_bytes(splits * bs, bs, self.num_qo_heads, self.head_dim)   # at most
+            self._grow_workspace(self.decode_wrapper, need, f"decode (batch {bs})")
+            # No num_splits: the grid is just this batch's work items (each request's splits of split_size).
             self.decode_wrapper.plan(indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits,
+                                     self.page_size, sm_scale=self.sm_scale, recipe=self.recipe,
                                      fixed_split_size=split_size)
             self._active = self.decode_wrapper
         else:   # extend / mixed (chunked prefill with a cached prefix; decode rows are 1-token chunks)
@@ -163,15 +167,27 @@ class MpfaAttnBackend(AttentionBackend):
                                       compensation=self.settings.compensation)
             self._active = self.prefill_wrapper
 
-    def _decode_splits(self, batch_size: int, longest: int) -> tuple[int, int]:
+    def _decode_splits(self, batch_size: int, longest: int, lengths: list[int] | None = None) -> tuple[int, int]:
         return server_decode_splits(self.num_kv_heads, batch_size, longest, self.max_context_len, self.num_sms,
-                                    resident_ctas=self.decode_resident_ctas)
+                                    resident_ctas=self.decode_resident_ctas, lengths=lengths)
 
-    def _longest(self, forward_batch) -> int:
-        """The batch's longest request from the host copy of its lengths; the server's context length when
-        there is none (graph capture)."""
+    def _host_lengths(self, forward_batch, bs: int) -> list[int] | None:
+        """The KV lengths of the batch's ``bs`` rows from their host copy (rows it lacks, a graph's padding,
+        at ``get_cuda_graph_seq_len_fill_value()``); None when there is none (graph capture)."""
         lens = getattr(forward_batch, "seq_lens_cpu", None)
-        return int(lens.max()) if lens is not None and len(lens) else self.max_context_len
+        if lens is None or not len(lens):
+            return None
+        values = [int(n) for n in lens[:bs].tolist()]
+        return values + [self.get_cuda_graph_seq_len_fill_value()] * (bs - len(values))
+
+    def _lengths(self, host_lengths: list[int] | None) -> tuple[int, list[int] | None]:
+        """The batch's longest request and its requests' KV lengths without a graph's padding rows (length
+        ``get_cuda_graph_seq_len_fill_value()``, 1: a decoding request has at least 2), so eager decode and the
+        graph replay of a batch plan alike; the server's context length and None without host lengths."""
+        if host_lengths is None:
+            return self.max_context_len, None
+        fill = self.get_cuda_graph_seq_len_fill_value()
+        return max(host_lengths), [n for n in host_lengths if n > fill]
 
     def _grow_workspace(self, wrapper, need: int, why: str):
         """Give ``wrapper`` a workspace of at least ``need`` bytes (doubling), logged with ``why``. Only the
@@ -196,8 +212,8 @@ class MpfaAttnBackend(AttentionBackend):
     # --- CUDA graphs (decode) -----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
         cap = page_table_capacity(max_bs, self.max_pages_per_req, self.cache.num_pages)
-        ws = max(1, max(decode_workspace_bytes(self._decode_splits(bs, 1)[1], bs, self.num_qo_heads, self.head_dim)
-                        for bs in range(1, max_bs + 1)))
+        ws = max(1, max(decode_workspace_bytes(self._decode_splits(bs, 1)[1] * bs, bs, self.num_qo_heads,
+                                               self.head_dim) for bs in range(1, max_bs + 1)))
         self._graph = dict(
             workspace=torch.empty(ws, dtype=torch.uint8, device=self.device),
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
@@ -219,19 +235,21 @@ class MpfaAttnBackend(AttentionBackend):
             self.req_to_token, forward_batch.req_pool_indices[:bs], forward_batch.seq_lens[:bs], self.page_size,
             self.max_pages_per_req, indptr_out=g["indptr"][: bs + 1], indices_out=g["indices"],
             last_page_len_out=g["last"][:bs])
-        split_size, splits = self._decode_splits(bs, self.max_context_len if in_capture else self._longest(forward_batch))
+        lengths = None if in_capture else self._host_lengths(forward_batch, bs)
+        split_size, splits = self._decode_splits(bs, *self._lengths(lengths))
         wrapper = self._graph_decode.get(bs)
         if wrapper is None:   # one wrapper per batch size: every graph of that size reads its buffers
             wrapper = BatchDecodeWrapper(g["workspace"], backend=self.settings.kernel_backend)
-            # Planned once per batch size with the full-size index table and the grid that covers the
-            # context length; replays refresh the table and the split size (device memory). Graphs of
-            # different sizes share the split workspace: one replays at a time.
+            # Planned once per batch size with the full-size index table and a grid of bs x splits work
+            # items (splits: what the context length needs); replays refresh the table, the split size and
+            # the work list (device memory). Graphs of different sizes share the split workspace: one
+            # replays at a time.
             wrapper.plan(indptr, g["indices"], last, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                          self.page_size, sm_scale=self.sm_scale, recipe=self.recipe, num_splits=splits,
                          fixed_split_size=split_size)
             self._graph_decode[bs] = wrapper
         else:   # no host synchronization per step
-            wrapper.update_page_table(indptr, g["indices"], last, fixed_split_size=split_size)
+            wrapper.update_page_table(indptr, g["indices"], last, fixed_split_size=split_size, kv_lengths=lengths)
         self._active = wrapper
 
     def init_forward_metadata_in_graph(self, forward_batch):

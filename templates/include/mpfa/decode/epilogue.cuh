@@ -1,6 +1,6 @@
 // The end of a decode CTA: the kWarps warps' online-softmax states combined through shared memory (the
 // stage buffers, free once every stage is consumed), O normalized and scaled by E4M3 V's channel scales, and
-// written as the request's output (one split) or as this split's fp32 partial O and log2 LSE for the
+// written as the request's output (its only item) or as this item's fp32 partial O and log2 LSE for the
 // merge kernel (merge.cuh).
 #pragma once
 #include <cuda_bf16.h>
@@ -12,11 +12,11 @@
 
 namespace {
 
-// (split, h, b): the CTA's grid position; m_run, l_run, acc: the thread's softmax state and O^T accumulators
-// (l_run is reduced over the lanes g here).
+// item, h: the CTA's grid position; m_run, l_run, acc: the thread's softmax state and O^T accumulators (l_run is
+// reduced over the lanes g here).
 template <class Cfg>
 __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* smem, int tid, int warp, int g, int c,
-                                             int split, int b, int h, int hq0, int batch, const float (&m_run)[2],
+                                             int item, int h, int hq0, const float (&m_run)[2],
                                              float (&l_run)[2], const float (&acc)[DecodeTraits<Cfg>::kMT][4]) {
   using T = DecodeTraits<Cfg>;
   constexpr int kHeadDim = T::kHeadDim, kGroup = T::kGroup, kWarps = T::kWarps;
@@ -39,7 +39,10 @@ __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* sme
     *reinterpret_cast<float2*>(o_s + (warp * 8 + 2 * c + 1) * kHeadDim + ch) = make_float2(acc[j][1], acc[j][3]);
   }
   __syncthreads();
-  const bool final_out = p.num_splits == 1;
+  // The item's request and whether it is the request's only item, read again here rather than kept through the
+  // tile loop: two more live registers there spilled qk4pv8 and qk8pv8 d128 at the 128-register cap.
+  const int b = p.work_request[item];
+  const bool final_out = p.work_indptr[b + 1] - p.work_indptr[b] == 1;
   for (int idx = tid; idx < kGroup * kHeadDim / 4; idx += T::kThreads) {
     const int gg = idx / (kHeadDim / 4), d0 = (idx % (kHeadDim / 4)) * 4;
     float m = -CUDART_INF_F;
@@ -72,7 +75,7 @@ __device__ __forceinline__ void write_output(const DecodeParams& p, uint8_t* sme
       *reinterpret_cast<uint2*>(p.out + b * p.out_stride_b + hq * p.out_stride_h + d0) = packed;
       if (p.lse != nullptr && d0 == 0) p.lse[int64_t(b) * (p.num_kv_heads * kGroup) + hq] = lse2 * 0.69314718055994530942f;
     } else {
-      const int64_t row = (int64_t(split) * batch + b) * (p.num_kv_heads * kGroup) + hq;
+      const int64_t row = int64_t(item) * (p.num_kv_heads * kGroup) + hq;
       *reinterpret_cast<float4*>(p.o_part + row * kHeadDim + d0) = o;
       if (d0 == 0) p.lse_part[row] = lse2;
     }

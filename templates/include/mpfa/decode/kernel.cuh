@@ -1,5 +1,5 @@
-// The decode kernel: one CTA (kWarps warps) per (split, KV head, request) attends the query heads of one
-// KV head over one split of the request's kTile-token tiles (schedule.cuh).
+// The decode kernel: one CTA (kWarps warps) per (work item, KV head) attends the query heads of one KV head
+// over one split of one request's kTile-token tiles (the item's, schedule.cuh).
 //
 // Pipeline: kStages shared-memory stages of kTile tokens (every field of one head), filled with cp.async
 // (tile_loads.cuh); tokens past the length are zero-filled. Page ids of the tile after next are read
@@ -32,20 +32,21 @@ __global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>
   // of the CTA's cluster id + MOV + LEA at the ring write and again at the copy issue, per iteration.
   uint32_t smem_base;
   asm volatile("mov.u32 %0, %1;\n" : "=r"(smem_base) : "r"(mpfa::smem_u32(smem)));
-  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int item = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int hq0 = h * T::kGroup;
-  const int batch = gridDim.z;
 
-  // --- this CTA's range of tiles, from device memory (graph replays see new lengths) ---
-  const SplitRange range = split_range<Cfg>(p, split, b);
-  const int page_begin = range.page_begin, num_pages = range.num_pages, kv_len = range.kv_len;
-  const int tile_begin = range.tile_begin, n_iter = range.n_iter;
-  if (n_iter == 0 && split > 0) {
-    // Nothing to attend (a fixed split size leaves a CUDA graph's grid partly empty): its O is never
-    // written, and the merge gives a split whose LSE is -inf weight 0 and drops its O by a select.
-    if (tid < T::kGroup)
-      p.lse_part[(int64_t(split) * batch + b) * (p.num_kv_heads * T::kGroup) + hq0 + tid] = -CUDART_INF_F;
+  // --- this CTA's request and range of tiles, from device memory (graph replays see new lengths) ---
+  const SplitRange range = split_range<Cfg>(p, item);
+  const int b = range.b;
+  if (b < 0) return;   // past the work list (a CUDA graph's capacity exceeds this batch's items)
+  const int page_first = range.page_first, kv_left = range.kv_left;
+  const int n_iter = range.n_iter;
+  if (n_iter == 0 && range.split > 0) {
+    // Nothing to attend (a fixed split size, or a work list built without the lengths, leaves an item of the
+    // request empty): its O is never written, and the merge gives an item whose LSE is -inf weight 0 and drops
+    // its O by a select.
+    if (tid < T::kGroup) p.lse_part[int64_t(item) * (p.num_kv_heads * T::kGroup) + hq0 + tid] = -CUDART_INF_F;
     return;
   }
 
@@ -55,22 +56,21 @@ __global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>
 
   // --- page ring: ph = page_id * num_kv_heads + h locates this head's run of a page in every field ---
   const uint32_t Hkv = uint32_t(p.num_kv_heads);
-  auto tile_valid = [&](int tile) {
-    const int n = kv_len - tile * T::kTile;
+  auto tile_valid = [&](int it) {   // tokens of the split's tile `it`
+    const int n = kv_left - it * T::kTile;
     return n < 0 ? 0 : (n > T::kTile ? T::kTile : n);
   };
   auto fetch_ids = [&](int it) -> uint32_t {   // ph this thread stores for iteration `it` (or 0)
-    const int tile = tile_begin + it;
     if (tid < T::kPagesPerTile && it < n_iter) {
-      const int pg = tile * T::kPagesPerTile + tid;
-      return pg < num_pages ? uint32_t(p.indices[page_begin + pg]) * Hkv + uint32_t(h) : 0u;
+      const int pg = it * T::kPagesPerTile + tid;
+      return pg * T::kPageSize < kv_left ? uint32_t(p.indices[page_first + pg]) * Hkv + uint32_t(h) : 0u;
     }
     return 0u;
   };
   FullTileCopier<Cfg> copier(p, smem);
   auto issue = [&](int it) {
     if (it < n_iter) {
-      const int valid = tile_valid(tile_begin + it);
+      const int valid = tile_valid(it);
       const uint32_t* ph = ids_ring + (it & 1) * T::kPagesPerTile;
       const uint32_t st = smem_base + (it % T::kStages) * T::kStageBytes;
       if (valid == T::kTile) copier.copy(st, ph);
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>
       next_id = fetch_ids(it + T::kStages);
 
       const uint8_t* st = smem + (it % T::kStages) * T::kStageBytes;
-      const int valid = tile_valid(tile_begin + it);
+      const int valid = tile_valid(it);
       if (valid < T::kTile) {
         // The last tile: V rows past the length must be exactly zero (P is 0 there, and 0 * NaN from a
         // stale or poisoned byte would be NaN); plain stores make that an invariant of this code rather
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>
   mpfa::cp_async_wait<0>();
   __syncthreads();   // every stage consumed: the stage buffers become the combine area
 
-  write_output<Cfg>(p, smem, tid, warp, g, c, split, b, h, hq0, batch, m_run, l_run, acc);
+  write_output<Cfg>(p, smem, tid, warp, g, c, item, h, hq0, m_run, l_run, acc);
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include "mpfa/abi.cuh"
 
 // Pointers are device addresses; [..] shapes in requests, heads (Hq query, Hkv KV), pages and channels (D).
-// The plan (python/mpfa/decode.py) fills the page table, grid, split and workspace fields once; each run
+// The plan (python/mpfa/decode.py) fills the page table, work list, split and workspace fields once; each run
 // sets the query, cache layer and output fields.
 #define MPFA_DECODE_PARAMS(X)                                                                           \
   X(const __nv_bfloat16*, q)       /* [batch, Hq, D] */                                                 \
@@ -24,14 +24,18 @@
   X(const int*, indices)                                                                                \
   X(const int*, last_page_len)     /* [batch] */                                                        \
   X(int, num_kv_heads)                                                                                  \
-  X(int, num_splits)               /* the grid's splits per request; > 1: partials and a merge */       \
+  X(int, num_items)                /* the grid's work items (capacity); > batch: partials, a merge */   \
   X(int, batch)                                                                                         \
-  /* > 0: a fixed split size in tiles (a batch-invariant partition); 0 (or null): ceil(tiles /        \
-     num_splits). In device memory so that a CUDA graph's replay can change it. */                      \
+  /* The work list (schedule.cuh), in device memory so that a CUDA graph's replay can change it: request \
+     b owns items [work_indptr[b], work_indptr[b + 1]) (at least one), its splits in order; */           \
+  X(const int*, work_indptr)       /* [batch + 1] */                                                    \
+  X(const int*, work_request)      /* [num_items]: each item's request, -1 past the last */             \
+  /* > 0: a fixed split size in tiles (a batch-invariant partition); 0 (or null): ceil(tiles / the      \
+     request's items). In device memory so that a CUDA graph's replay can change it. */                 \
   X(const int*, tiles_per_split)                                                                        \
   X(float, score_scale)            /* sm_scale * log2(e): the softmax runs in base 2 */                 \
-  X(float*, o_part)                /* workspace, num_splits > 1: [splits, batch, Hq, D] */              \
-  X(float*, lse_part)              /* workspace, num_splits > 1: [splits, batch, Hq] (log2) */          \
+  X(float*, o_part)                /* workspace, num_items > batch: [items, Hq, D] */                   \
+  X(float*, lse_part)              /* workspace, num_items > batch: [items, Hq] (log2) */               \
   X(__nv_bfloat16*, out)           /* [batch, Hq, D] */                                                 \
   X(int64_t, out_stride_b)                                                                              \
   X(int64_t, out_stride_h)                                                                              \
