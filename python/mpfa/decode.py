@@ -46,6 +46,7 @@ from .validation import check_sm_scale, check_tensor, check_workspace, check_wor
 TILE = decode_op.TILE          # tokens per pipeline stage of the kernel; splits are whole tiles
 MIN_TOKENS_PER_SPLIT = 256     # a split streams at least this many tokens (4 tiles)
 MAX_SPLITS = 128
+MAX_WORK_ITEMS = 65535        # the kernel's grid is (KV heads, work items): CUDA's y dimension
 FILL = 0.85                    # the smallest grid considered holds this share of one wave of resident CTAs
 
 
@@ -345,6 +346,10 @@ class BatchDecodeWrapper:
                 capacity = batch * num_splits
             counts = split_counts(paged.kv_lengths, batch, num_splits, tiles_per_split)
             capacity = capacity or sum(counts)
+            if capacity > MAX_WORK_ITEMS:
+                raise ValueError(f"batch {batch} needs {capacity} work items (KV splits over its requests, num_splits "
+                                 f"{num_splits}); the decode grid holds at most {MAX_WORK_ITEMS}: plan fewer splits or "
+                                 f"a larger fixed_split_size, or split the batch")
             need = workspace_bytes(capacity, batch, num_qo_heads, head_dim)
             check_workspace(self.workspace_buffer, device, need, f"batch {batch}, {num_qo_heads} query heads, "
                             f"head_dim {head_dim}, {capacity} work items")

@@ -169,6 +169,16 @@ def test_workspace_too_small_names_the_buffer(paged_batch, shared_jit_cache):
         w.plan(indptr, indices, last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=8)
 
 
+def test_more_work_items_than_the_grid_holds_names_the_arguments(paged_batch, shared_jit_cache):
+    """The grid's y dimension holds 65535 work items: a graph-style plan of 2 requests x 40,000 splits is refused
+    before any launch, naming num_splits."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    batch = paged_batch("qk4pv8", 128, 16, 2, [4000, 4000], gen)
+    w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(ValueError, match=r"needs 80000 work items .*num_splits 40000.*at most 65535"):
+        w.plan(batch.indptr, batch.indices, batch.last, 8, 2, 128, 16, recipe="qk4pv8", num_splits=40000)
+
+
 def test_unbuilt_shapes_raise(shared_jit_cache):
     from mpfa_jit import UnknownKernelError
     w = mpfa.BatchDecodeWrapper(torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda"))

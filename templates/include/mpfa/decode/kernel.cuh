@@ -32,7 +32,11 @@ __global__ void __launch_bounds__(DecodeTraits<Cfg>::kThreads, DecodeTraits<Cfg>
   // of the CTA's cluster id + MOV + LEA at the ring write and again at the copy issue, per iteration.
   uint32_t smem_base;
   asm volatile("mov.u32 %0, %1;\n" : "=r"(smem_base) : "r"(mpfa::smem_u32(smem)));
-  const int item = blockIdx.x, h = blockIdx.y;
+  // KV heads in x, the fastest: the CTAs of one item's heads run side by side and read the same pages' runs (a
+  // page holds every head), which page 1's 1-token runs need (items fastest was up to 1.45x slower there,
+  // qk4pv8). Both from the grid, not one index divided: a divided-out head is one more live register, and
+  // qk4pv8 / qk8pv8 d128 spilled at the 128-register cap.
+  const int h = blockIdx.x, item = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
   const int hq0 = h * T::kGroup;
 

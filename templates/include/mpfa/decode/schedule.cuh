@@ -1,7 +1,7 @@
-// Which tiles of which request a decode CTA attends. The grid is (num_items, num_kv_heads): item x is one
-// split of one request, read from the plan's work list in device memory at every launch, so CTAs go where
-// the tokens are (a short request takes one item, a long one several) and a captured CUDA graph replays
-// correctly as lengths, the work list and the fixed split size change.
+// Which tiles of which request a decode CTA attends. The grid is (num_kv_heads, num_items), KV heads fastest
+// (kernel.cuh): an item is one split of one request, read from the plan's work list in device memory
+// at every launch, so CTAs go where the tokens are (a short request takes one item, a long one several) and a
+// captured CUDA graph replays correctly as lengths, the work list and the fixed split size change.
 #pragma once
 #include "mpfa/decode/params.cuh"
 #include "mpfa/decode/traits.cuh"
