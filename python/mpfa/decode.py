@@ -120,9 +120,9 @@ def mixed_split_size(lengths: Sequence[int], budget: int) -> int | None:
     """The smallest split size (a multiple of TILE; at least MIN_TOKENS_PER_SPLIT, or one split of the longest
     request when that is shorter) that cuts requests of ``lengths`` tokens into at most ``budget`` work items
     (``sum(ceil(length / size))``); None when one item per request is already more."""
-    tiles = [max(1, -(-int(n) // TILE)) for n in lengths]
-    if not tiles or len(tiles) > budget:
+    if not lengths or len(lengths) > budget:   # before the per-request work: a server asks every decode step
         return None
+    tiles = [max(1, -(-int(n) // TILE)) for n in lengths]
     lo, hi = max(1, MIN_TOKENS_PER_SPLIT // TILE), max(tiles)   # in tiles; hi always fits (one item each)
     lo = min(lo, hi)
     while lo < hi:
