@@ -173,7 +173,7 @@ def summarize(rows: list[dict]) -> dict:
     ending ``/spread``, their best among forced counts and sizes) stand apart: the ``*_over_best_*`` aggregates
     cover the one-length shapes, ``spread_*`` the others."""
     from benchmarks.stats import geomean
-    shapes = {}
+    shapes, one, mixed = {}, [], []
     for (recipe, b, c, spread), (group, best) in _by_shape(rows).items():
         if best is None:
             continue
@@ -187,9 +187,8 @@ def summarize(rows: list[dict]) -> dict:
                 entry[f"{plan}_over_best"] = mine["ms"] / best["ms"]
         _replayed(entry, rule_replay(recipe, b, c, group, spread), group, best, spread)
         shapes[f"{recipe}/{b}x{c}" + ("/spread" if spread else "")] = entry
+        (mixed if spread else one).append(entry)
     out = {"by_shape": shapes}
-    one = [e for k, e in shapes.items() if not k.endswith("/spread")]
-    mixed = [e for k, e in shapes.items() if k.endswith("/spread")]
     for key in ("adaptive", "server", "rule_adaptive", "rule_server"):
         ratios = [e.get(f"{key}_over_best") for e in one]
         out[f"{key}_over_best_worst"] = max((x for x in ratios if x), default=None)

@@ -320,8 +320,9 @@ class BatchDecodeWrapper:
         recipe_ = check_heads(num_qo_heads, num_kv_heads, head_dim, page_size, recipe)
         paged = check_paged(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool)
-                                       or not 1 <= num_splits <= 65535):
-            raise ValueError(f"num_splits must be None (adaptive) or an int in [1, 65535], got {num_splits!r}")
+                                       or not 1 <= num_splits <= MAX_WORK_ITEMS):
+            raise ValueError(f"num_splits must be None (adaptive) or an int in [1, {MAX_WORK_ITEMS}], "
+                             f"got {num_splits!r}")
         _check_split_size(fixed_split_size)
         self.backend = resolve(self.requested_backend, paged_kv_indices.device)
         sm_scale = check_sm_scale(sm_scale, head_dim)
@@ -335,17 +336,15 @@ class BatchDecodeWrapper:
             dev_index = device_index(device)
             batch = paged.batch_size
             tiles_per_split = 0 if fixed_split_size is None else fixed_split_size // TILE
-            if num_splits is None:
+            fixed_grid = num_splits is not None   # a graph's: batch x num_splits work items, whatever the lengths
+            if not fixed_grid:
                 max_len = max(paged.kv_lengths)
                 num_splits = (fixed_num_splits(max_len, fixed_split_size) if tiles_per_split
                               else choose_num_splits(batch, num_kv_heads, max_len, _num_sms(dev_index),
                                                      resident_ctas=resident_ctas(recipe_.name, head_dim, page_size,
                                                                                  group, dev_index)))
-                capacity = None
-            else:
-                capacity = batch * num_splits
             counts = split_counts(paged.kv_lengths, batch, num_splits, tiles_per_split)
-            capacity = capacity or sum(counts)
+            capacity = batch * num_splits if fixed_grid else sum(counts)
             if capacity > MAX_WORK_ITEMS:
                 raise ValueError(f"batch {batch} needs {capacity} work items (KV splits over its requests, num_splits "
                                  f"{num_splits}); the decode grid holds at most {MAX_WORK_ITEMS}: plan fewer splits or "
